@@ -110,14 +110,14 @@ DATASETS = {
 
 
 def last_boxed(text):
-    """Content of the last \\boxed{...} (or \\fbox{...}) with balanced braces, else None."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
+    """Content of the last \\boxed{...} (or \\fbox{...}) with balanced braces ('\\boxed 5' gives '5'), else None."""
+    found = list(re.finditer(r"\\(?:boxed|fbox)\s*(\{)?", text))
+    if not found:
         return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
+    if not found[-1].group(1):
+        bare = re.match(r"[^\s$]+", text[found[-1].end():])
+        return bare.group(0) if bare else None
+    i, depth = found[-1].start(1), 0
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
@@ -129,7 +129,7 @@ def gold_answer(row):
     """The reference answer of a dataset row: `answer` (text after '####' for GSM8K), else the last \\boxed{} of `solution`."""
     a = row.get("answer")
     if isinstance(a, (int, float)) and not isinstance(a, bool):
-        return f"{a:g}"  # AMC stores 27.0
+        return str(int(a)) if float(a).is_integer() else repr(float(a))  # AMC stores 27.0
     if isinstance(a, str) and a.strip():
         return a.rsplit("####", 1)[1].strip().replace(",", "") if "####" in a else a.strip()
     return last_boxed(row["solution"]) if isinstance(row.get("solution"), str) else None
@@ -219,6 +219,7 @@ def prompt_token_ids(tokenizer, rows, template, max_prompt_len):
 
 REWARD_STATS = collections.Counter()  # calls, no_answer, timeout, error: read and cleared by the scripts each step
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+_FRACTION = r"\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}"
 
 
 class VerifyTimeout(BaseException):  # BaseException, so sympy's `except Exception` cannot swallow it
@@ -267,9 +268,9 @@ def _parse(latex):
 def math_reward(completion: str, gold: str, timeout: float = 5.0) -> float:
     """1.0 when math-verify judges the completion's final answer equal to `gold`, else 0.0. Never raises; gives up
     after `timeout` seconds (counted in REWARD_STATS). docs/grpo.md#reward
-    A numeric gold (GSM8K, the toy) needs a final answer holding exactly one number: math-verify would otherwise pay
-    an unevaluated '47+38' for 85, i.e. the question copied into the answer tag. Units are fine: when math-verify
-    cannot read '18 dollars', that single number is compared."""
+    A numeric gold (GSM8K, the toy) needs a final answer holding exactly one number (a \\frac{}{} counts as one):
+    math-verify would otherwise pay '47+38' for 85 (the question copied into the answer tag) or a hedge like '18 or 19'.
+    Units are fine: when math-verify cannot read '18 dollars', that single number is compared."""
     from math_verify import verify
     REWARD_STATS["calls"] += 1
     answer = extract_answer(completion) if isinstance(completion, str) else None
@@ -277,7 +278,8 @@ def math_reward(completion: str, gold: str, timeout: float = 5.0) -> float:
         REWARD_STATS["no_answer"] += 1
         return 0.0
     gold = str(gold).strip()
-    numbers = re.findall(_NUMBER, answer)
+    without_fractions = re.sub(_FRACTION, " 1 ", answer)
+    numbers = re.findall(_NUMBER, without_fractions)
     numeric_gold = re.fullmatch(_NUMBER, gold) is not None
     if numeric_gold and len(numbers) != 1:
         return 0.0
@@ -286,7 +288,7 @@ def math_reward(completion: str, gold: str, timeout: float = 5.0) -> float:
             gold_parsed = _parse(gold)
             if gold_parsed and verify(gold_parsed, _parse(answer), timeout_seconds=None):  # documented order: gold first
                 return 1.0
-            if numeric_gold:
+            if numeric_gold and without_fractions == answer:
                 return float(abs(float(numbers[0].replace(",", "")) - float(gold.replace(",", ""))) < 1e-6)
             return 0.0
     except (KeyboardInterrupt, SystemExit):
@@ -508,9 +510,9 @@ def policy_update(model, optimizer, samples, coefs, *, temperature, vocab_size, 
         per_tok = lambda values: torch.repeat_interleave(torch.as_tensor(values, dtype=torch.float32, device=dev), rep)
         old = logp.detach() if old_logps is None else torch.cat([old_logps[i] for i in mb]).to(dev)  # [N]
         ref = torch.cat([ref_logps[i] for i in mb]).to(dev) if ref_logps is not None else None
-        engine = [torch.tensor(samples[i].sample_logps) for i in mb] if samples[mb[0]].sample_logps is not None else None
-        engine = torch.cat(engine).to(dev) if engine else None  # [N] log-probs the rollout engine sampled with
-        is_weight = torch.exp(old - engine).clamp(max=tis_cap) if tis_cap > 0 and engine is not None else None
+        engine_lp = [torch.tensor(samples[i].sample_logps) for i in mb] if samples[mb[0]].sample_logps is not None else None
+        engine_lp = torch.cat(engine_lp).to(dev) if engine_lp else None  # [N] log-probs the engine sampled with
+        is_weight = torch.exp(old - engine_lp).clamp(max=tis_cap) if tis_cap > 0 and engine_lp is not None else None
         loss_tok, kl, clipped = token_loss(logp, old, ref, per_tok([samples[i].advantage for i in mb]),
                                            eps_low, eps_high, beta, is_weight)
         c = per_tok([float(coefs[i]) for i in mb])  # [N]
@@ -521,8 +523,8 @@ def policy_update(model, optimizer, samples, coefs, *, temperature, vocab_size, 
         stats["clip_frac"] += clipped.float().sum().item()
         stats["tokens"] += len(logp)
         stats["micro_batches"] += 1
-        if engine is not None:
-            stats["mismatch"] += (logp.detach() - engine).abs().sum().item()
+        if engine_lp is not None:
+            stats["mismatch"] += (logp.detach() - engine_lp).abs().sum().item()
     stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -677,14 +679,15 @@ def check_model(path, trust_remote_code=False):
 
 def check_args(args):
     """Impossible flag values and combinations, caught before anything slow happens."""
-    positive = ["prompts_per_step", "group_size", "max_tokens", "max_prompt_len", "mu", "token_budget", "logprob_chunk"]
+    positive = ["prompts_per_step", "group_size", "max_tokens", "max_prompt_len", "mu", "token_budget", "logprob_chunk",
+                "eval_n", "save_every"]
     for name in positive:
         if getattr(args, name) is not None and getattr(args, name) < 1:  # None: resolved later from the device
             die(f"--{name} must be at least 1 (got {getattr(args, name)})")
     if args.temperature <= 0:
         die(f"--temperature must be > 0 for sampling (got {args.temperature})")
-    if args.lr <= 0 or args.eps_low < 0 or args.eps_high < 0 or args.beta < 0 or args.steps < 0:
-        die("--lr must be > 0 and --eps_low, --eps_high, --beta, --steps must be >= 0")
+    if args.lr <= 0 or min(args.eps_low, args.eps_high, args.beta, args.steps, args.eval_every, args.tis_cap) < 0:
+        die("--lr must be > 0 and --eps_low, --eps_high, --beta, --steps, --eval_every, --tis_cap must be >= 0")
     if args.group_size < 2 and args.std_mode == "unbiased":
         die("--group_size 1 has no unbiased std (and no group baseline): use --group_size >= 2")
     if args.rollout == "vllm":

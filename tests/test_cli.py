@@ -39,6 +39,7 @@ def bad_jsonl(tmp_path):
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--lr", "-1"], "--lr must be > 0"),
     (["--prompts_per_step", "0"], "--prompts_per_step must be at least 1"),
+    (["--save_every", "0"], "--save_every must be at least 1"),
     (["--loss_agg", "sum"], "argument --loss_agg: invalid choice: 'sum'"),
     (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (["--resume", "{tmp}/nothing"], "no checkpoint there"),

@@ -27,6 +27,9 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}"),
     ("<answer>The result is \\boxed{27}</answer>", "27"),
     ("\\boxed{6} was wrong, I fix it: \\boxed{7}", "7"),  # the last box counts
+    ("\\boxed{\\frac{1}{2}}", "0.5"),  # a fraction is one number
+    ("\\boxed{\\frac{36}{2}}", "18"),  # unsimplified but equal
+    ("\\boxed 5", "5"),
 ]
 WRONG = [  # each must score 0.0
     ("<answer>17</answer>", "18"),
@@ -34,7 +37,6 @@ WRONG = [  # each must score 0.0
     ("What is 3+4?", "7"),  # echoing the question must not be paid (math-verify alone would evaluate 3+4)
     ("<answer>3+4</answer>", "7"),  # the question copied into the tag: not a number
     ("<answer>47 + 38 = 85</answer>", "85"),  # a numeric gold needs exactly one number
-    ("\\boxed{\\frac{36}{2}}", "18"),
     ("<answer>18 or 19</answer>", "18"),
     ("\\boxed{(2, 1)}", "(1,2)"),
     ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}"),
@@ -62,11 +64,13 @@ def test_extract_answer_priorities():
     assert extract_answer("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}"
     assert extract_answer("work\n#### 42\nmore") == "42"
     assert extract_answer("no marker 42") is None
+    assert extract_answer("\\boxed 5 and then {x}") == "5"
 
 
 def test_gold_answer_conventions():
     assert gold_answer({"answer": "Janet sells 9 eggs.\n#### 1,018"}) == "1018"  # GSM8K
     assert gold_answer({"answer": 27.0}) == "27"  # AMC stores floats
+    assert gold_answer({"answer": 1234567}) == "1234567" and gold_answer({"answer": 0.25}) == "0.25"
     assert gold_answer({"solution": "so $x = \\boxed{\\frac{1}{2}}$."}) == "\\frac{1}{2}"  # MATH train
     assert gold_answer({"answer": "\\left( 3, \\frac{\\pi}{2} \\right)"}) == "\\left( 3, \\frac{\\pi}{2} \\right)"
     assert gold_answer({"question": "q"}) is None
