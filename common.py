@@ -613,9 +613,10 @@ class HFEngine:
         ckpt = model.is_gradient_checkpointing
         model.gradient_checkpointing_disable()  # it would force use_cache=False: quadratic generation
         model.eval()
-        config = GenerationConfig(do_sample=temperature > 0, temperature=temperature or None, top_p=1.0, top_k=0,
-                                  max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.stop_ids,
-                                  pad_token_id=pad, suppress_tokens=self.suppress or None, use_cache=True)
+        sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else \
+            dict(do_sample=False, temperature=None, top_p=None, top_k=None)  # pure sampling, or plain greedy
+        config = GenerationConfig(**sampling, max_new_tokens=max_tokens, num_return_sequences=n, use_cache=True,
+                                  eos_token_id=self.stop_ids, pad_token_id=pad, suppress_tokens=self.suppress or None)
         torch.manual_seed(seed)
         results, device = [], next(model.parameters()).device
         for i in range(0, len(prompts), self.batch_size):
