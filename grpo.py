@@ -98,8 +98,9 @@ def main():
         die(f"--model {args.model!r} has no chat template: use an instruct model or add one to its tokenizer")
     train_rows = prompt_token_ids(tokenizer, train_rows, args.template, args.max_prompt_len)
     eval_rows = prompt_token_ids(tokenizer, eval_rows, args.template, args.max_prompt_len)
-    if not train_rows:
-        die(f"every training prompt is longer than --max_prompt_len {args.max_prompt_len} tokens")
+    if not train_rows or not eval_rows:
+        die(f"every {'training' if not train_rows else 'held-out'} prompt is longer than --max_prompt_len "
+            f"{args.max_prompt_len} tokens")
     steps = args.steps or math.ceil(len(train_rows) / args.prompts_per_step)
     B, G, vocab_size = args.prompts_per_step, args.group_size, len(tokenizer)
     stop_ids = stop_token_ids(tokenizer, args.model)
@@ -169,9 +170,12 @@ def main():
         # ---------------------------------------------------------------- log, evaluate, checkpoint
         done = step + 1
         n_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-        row = {"step": done, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(), **stats,
-               "completion_len": sum(len(s.completion_ids) for s in samples) / len(samples),
-               "zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(), "lr": scheduler.get_last_lr()[0],
+        row = {"step": done, "reward_mean": rewards.mean().item(), "reward_std": rewards.std(unbiased=False).item(),
+               **stats, "completion_len": sum(len(s.completion_ids) for s in samples) / len(samples),
+               "truncated": sum(s.completion_ids[-1:] != [] and s.completion_ids[-1] not in stop_ids
+                                for s in samples) / len(samples),
+               "zero_std_groups": (rewards == rewards[:, :1]).all(dim=1).float().mean().item(),
+               "lr": scheduler.get_last_lr()[0],
                "verify_timeouts": REWARD_STATS["timeout"], "verify_errors": REWARD_STATS["error"],
                "no_answer": REWARD_STATS["no_answer"], "rollout_s": t_rollout, "reward_s": t_reward,
                "train_s": t_train, "step_s": time.time() - t0, "tokens_per_s": n_tokens / (time.time() - t0)}

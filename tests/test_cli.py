@@ -82,7 +82,8 @@ def test_toy_end_to_end_then_resume_after_a_kill(tmp_path):
     train = [r["step"] for r in logged if "reward_mean" in r]
     evals = [r["step"] for r in logged if "eval_accuracy" in r]
     assert train == [1, 2, 3, 4, 5] and evals == [0, 2, 4, 5]
-    needed = {"step", "reward_mean", "loss", "rollout_s", "train_s", "kl", "grad_norm", "mismatch_logp", "tokens_per_s"}
+    needed = {"step", "reward_mean", "loss", "rollout_s", "train_s", "kl", "grad_norm", "mismatch_logp", "tokens_per_s",
+              "truncated", "zero_std_groups", "verify_timeouts"}
     assert needed <= set(logged[1]) and all(0 <= r["reward_mean"] <= 1 for r in logged if "reward_mean" in r)
     assert logged[1]["mismatch_logp"] < 1e-3  # vLLM and the trainer agree in fp32
     import torch
