@@ -118,7 +118,8 @@ def main():
     optimizer, _ = make_optimizer(model, 1e-6, 0.0, 0, 1, "constant")
     kw = dict(temperature=1.0, vocab_size=vocab, eps_low=0.2, eps_high=0.2, beta=0.0)
     peak = bf16_peak_tflops(device) if device.type == "cuda" else None
-    hardware = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
+    hardware = torch.cuda.get_device_name() if device.type == "cuda" else \
+        f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
     print(f"# {args.shape} ({n_params / 1e6:.1f}M params), {args.sequences} sequences, {tokens} tokens "
           f"({lengths} lengths), attn={args.attn}, {hardware}, torch {torch.__version__}")
     print(f"# command: python bench.py {' '.join(os.sys.argv[1:])}")
@@ -137,12 +138,12 @@ def main():
         memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         return seconds, memory
 
-    rows = []
+    rows, lengths_all = [], [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
     for budget in budgets:
-        if not args.no_padded:
-            rows.append(("padded", budget, -(-len(samples) // max(1, budget // max(len(s.prompt_ids) + len(s.completion_ids) for s in samples))), *timed(padded_update, budget)))
-        n_mb = len(pack_microbatches([len(s.prompt_ids) + len(s.completion_ids) for s in samples], budget))
-        rows.append(("packed", budget, n_mb, *timed(policy_update, budget)))
+        if not args.no_padded:  # padded_update's micro-batches: budget // longest sequences each
+            n_mb = -(-len(samples) // max(1, budget // max(lengths_all)))
+            rows.append(("padded", budget, n_mb, *timed(padded_update, budget)))
+        rows.append(("packed", budget, len(pack_microbatches(lengths_all, budget)), *timed(policy_update, budget)))
     padded = {b: s for mode, b, _, s, _ in rows if mode == "padded"}
     print("| layout | token budget | micro-batches | s / update | tokens/s | vs padded (same budget) | peak GiB | MFU |")
     print("|---|---|---|---|---|---|---|---|")

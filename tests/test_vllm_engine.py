@@ -25,7 +25,8 @@ def setup(tiny_dir):
     tokenizer = load_tokenizer(tiny_dir)
     model = load_model(tiny_dir, torch.device("cpu"))  # our own copy: these tests change its weights
     engine = VLLMEngine(tiny_dir, seed=0, max_model_len=512, max_num_seqs=32, vocab_size=len(tokenizer),
-                        stop_ids=[tokenizer.eos_token_id], cpu_kv_bytes=64 << 20)
+                        model_vocab_size=model.config.vocab_size, stop_ids=[tokenizer.eos_token_id],
+                        cpu_kv_bytes=64 << 20)
     return engine, model, tokenizer
 
 
@@ -100,6 +101,26 @@ def test_a_stale_prefix_cache_would_be_caught(setup):
     engine.llm.reset_prefix_cache()
     fresh = engine.generate(long_prompt, n=1, temperature=1.0, max_tokens=8, seed=5)
     assert max_logprob_gap(model, tokenizer, long_prompt, fresh, 1.0) < 1e-4
+    perturb(model, 0.05, seed=6)  # and push() itself resets the cache: no drift after a real push
+    engine.push(model)
+    pushed = engine.generate(long_prompt, n=1, temperature=1.0, max_tokens=8, seed=7)
+    assert max_logprob_gap(model, tokenizer, long_prompt, pushed, 1.0) < 1e-4
+
+
+def test_hf_engine_ignores_the_models_own_sampling_settings(tiny_dir):
+    """A model's generation_config (Qwen instruct ships a repetition penalty) must not change the rollouts."""
+    model, tokenizer = load_model(tiny_dir, torch.device("cpu")), load_tokenizer(tiny_dir)  # unperturbed weights
+    hf = HFEngine(model, tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    prompts = prompts_of(tokenizer)
+    plain = hf.generate(prompts, 1, 0.0, 16, seed=0)
+    model.generation_config.repetition_penalty = 10.0
+    try:
+        assert hf.generate(prompts, 1, 0.0, 16, seed=0) == plain
+        ids = torch.tensor([prompts[0]])
+        penalised = model.generate(input_ids=ids, max_new_tokens=16, do_sample=False)[0, len(prompts[0]):].tolist()
+        assert penalised[:len(plain[0][0][0])] != plain[0][0][0]  # plain transformers generate would apply it
+    finally:
+        assert model.generation_config.repetition_penalty == 10.0  # the model's own config is handed back
 
 
 def test_hf_engine_cuts_at_eos_and_masks_padded_ids(setup):

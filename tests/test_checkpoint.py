@@ -1,0 +1,37 @@
+"""Checkpoints survive a kill at any point of the save, and a metrics line cut short by a kill is dropped on resume."""
+import json
+import os
+
+import torch
+
+from common import load_checkpoint, make_optimizer, open_metrics, recover_checkpoint, save_checkpoint
+
+
+def test_save_load_and_recover_after_a_kill_between_renames(tiny, tmp_path):
+    model, tokenizer = tiny
+    out = str(tmp_path)
+    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
+    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=3, cursor=24)
+    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=4, cursor=32)
+    assert sorted(os.listdir(out)) == ["checkpoint"]
+    # a kill after "checkpoint -> checkpoint.old" and before "checkpoint.tmp -> checkpoint": both copies complete
+    os.rename(os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.tmp"))
+    recover_checkpoint(out)
+    state = load_checkpoint(out, optimizer, scheduler)
+    assert (state["step"], state["cursor"]) == (4, 32)
+    # a kill while writing checkpoint.tmp (no state.pt yet): the old one is used
+    os.rename(os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.old"))
+    os.makedirs(os.path.join(out, "checkpoint.tmp", "model"))
+    recover_checkpoint(out)
+    assert load_checkpoint(out, optimizer, scheduler)["step"] == 4
+    assert torch.get_rng_state().equal(torch.load(os.path.join(out, "checkpoint", "state.pt"),
+                                                  weights_only=False)["rng"]["torch"])
+
+
+def test_resume_drops_rows_after_the_checkpoint_and_a_cut_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(6)) + '{"step": 6, "loss"')
+    f = open_metrics(str(tmp_path), resume_step=4)
+    f.write(json.dumps({"step": 5}) + "\n")
+    f.close()
+    assert [json.loads(line)["step"] for line in open(path)] == [0, 1, 2, 3, 4, 5]
