@@ -631,19 +631,22 @@ class HFEngine:
         # swap in a neutral one, so samples come from softmax(z / T) exactly as the trainer assumes
         own_config, model.generation_config = model.generation_config, GenerationConfig()
         results, device = [], next(model.parameters()).device
-        for i in range(0, len(prompts), self.batch_size):
-            batch = prompts[i:i + self.batch_size]
-            width = max(map(len, batch))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)  # [b, P], left-padded
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-            with autocast(device):
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:].tolist()
-            for k in range(len(batch)):
-                results.append([(cut_at_stop(row, self.stop_ids), None) for row in out[k * n:(k + 1) * n]])
-        model.generation_config = own_config
-        model.train()
-        if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            for i in range(0, len(prompts), self.batch_size):
+                batch = prompts[i:i + self.batch_size]
+                width = max(map(len, batch))
+                ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)  # [b, P] left-padded
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)  # [b, P]
+                with autocast(device):
+                    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)  # [b*n, P+C]
+                out = out[:, width:].tolist()
+                for k in range(len(batch)):
+                    results.append([(cut_at_stop(row, self.stop_ids), None) for row in out[k * n:(k + 1) * n]])
+        finally:  # hand the model back as it came: its own config, train mode, checkpointing
+            model.generation_config = own_config
+            model.train()
+            if ckpt:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return results
 
     def sleep(self):
