@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from common import (REPO, Sample, autocast, chunked_logprobs, make_optimizer, pack_microbatches, policy_update,
-                    token_coefficients, token_loss)
+from common import (REPO, Sample, autocast, chunked_logprobs, lm_head_weight, make_optimizer, pack_microbatches,
+                    policy_update, token_coefficients, token_loss)
 
 SHAPES = {  # Qwen2.5 configs (hidden, layers, heads, kv heads, intermediate, vocab); toy = toy/model
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
@@ -69,8 +69,8 @@ def padded_update(model, optimizer, samples, coefs, *, temperature, vocab_size, 
         cols = torch.cat([torch.arange(len(s.prompt_ids) - 1, len(x) - 1) for s, x in zip(group, seqs)]).to(device)
         with autocast(device):
             hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # [b, L, d]
-            logp = chunked_logprobs(hidden[rows, cols], model.get_output_embeddings().weight, ids[rows, cols + 1],
-                                    temperature, vocab_size, chunk)  # [N]
+            logp = chunked_logprobs(hidden[rows, cols], lm_head_weight(model, vocab_size), ids[rows, cols + 1],
+                                    temperature, chunk=chunk)  # [N], the same head path as the packed step
         adv = torch.cat([torch.full((len(s.completion_ids),), s.advantage) for s in group]).to(device)
         c = torch.cat([torch.full((len(s.completion_ids),), float(coefs[start + k])) for k, s in enumerate(group)]).to(device)
         loss_tok, _, _ = token_loss(logp, logp.detach(), None, adv, eps_low, eps_high, beta)

@@ -422,6 +422,13 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, vocab_size=None, 
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)  # [N]
 
 
+def lm_head_weight(model, vocab_size):
+    """The LM-head rows of real tokens [V_tok, d]; on GPU cast to bf16 once per forward here, not once per chunk
+    (autocast does not cache casts of a sliced view)."""
+    weight = model.get_output_embeddings().weight[:vocab_size]
+    return weight.to(torch.bfloat16) if weight.is_cuda else weight
+
+
 def packed_inputs(samples, device):
     """Concatenate prompt+completion of each sample into one row. Position ids restart at 0 per sequence (that is
     what makes transformers build a block-diagonal mask), and `predict` lists the positions whose next token is a
@@ -447,10 +454,8 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk):
         # attention_mask=None and use_cache=False: otherwise transformers silently attends across sequences
         hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                                      use_cache=False).last_hidden_state[0]  # [T, d]
-        weight = model.get_output_embeddings().weight[:vocab_size]  # [V, d]
-        if device.type == "cuda":
-            weight = weight.to(torch.bfloat16)  # cast once here, not once per chunk (autocast does not cache views)
-        return chunked_logprobs(hidden[predict], weight, input_ids[0, predict + 1], temperature, chunk=chunk)  # [N]
+        return chunked_logprobs(hidden[predict], lm_head_weight(model, vocab_size), input_ids[0, predict + 1],
+                                temperature, chunk=chunk)  # [N]
 
 
 @torch.no_grad()
