@@ -1,0 +1,163 @@
+"""2-GRPO: +-1 / 0 pair advantages, the paper's contrastive pair loss (v2 Eq. 14) equals the GRPO loss with G = 2 and
+the population std, skipping tied pairs leaves the update unchanged, the 2-GRPO+RS draw sizes, and the script end to
+end (defaults scaled from the GRPO recipe, resume, bad input)."""
+import json
+import os
+
+import pytest
+import torch
+
+from common import Sample, packed_logprobs, policy_update, token_coefficients
+from conftest import assert_grads_close
+from test_cli import rows, run
+from two_grpo import pair_advantages, prompts_to_draw, rows_to_train
+
+SMALL = ["--prompts_per_step", "8", "--eval_n", "16"]
+
+
+def test_pair_advantages_are_exactly_plus_minus_one_or_zero():
+    r = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    assert pair_advantages(r).tolist() == [[1.0, -1.0], [-1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
+    # the unbiased std of {0, 1} is 1/sqrt(2): +-0.7071, the pitfall the paper's convention avoids
+    unbiased = pair_advantages(r[:1], "unbiased")
+    assert torch.allclose(unbiased, torch.tensor([[0.5 ** 0.5, -(0.5 ** 0.5)]]))
+    # any reward gap becomes +-1 over two samples (sign amplification for non-binary rewards)
+    assert pair_advantages(torch.tensor([[0.3, 0.7]])).tolist() == [[-1.0, 1.0]]
+
+
+def eq14_loss(model, samples, old, eps_low, eps_high, vocab):
+    """-J of the paper's Eq. 14, written from the paper, one unpacked forward per completion: per pair,
+    1(r1 != r2) * 1/2 * (mean_t min(rho, 1 + eps_high) over the correct one - mean_t max(rho, 1 - eps_low) over the
+    wrong one), averaged over pairs."""
+    pairs, total = len(samples) // 2, 0.0
+    for p in range(pairs):
+        a, b = samples[2 * p], samples[2 * p + 1]
+        if a.reward == b.reward:
+            continue
+        pos, neg = (2 * p, 2 * p + 1) if a.reward > b.reward else (2 * p + 1, 2 * p)
+        rho = lambda i: torch.exp(packed_logprobs(model, [samples[i]], 1.0, vocab, 1024) - old[i])
+        total = total + 0.5 * (torch.minimum(rho(pos), torch.tensor(1 + eps_high)).mean()
+                               - torch.maximum(rho(neg), torch.tensor(1 - eps_low)).mean())
+    return -total / pairs
+
+
+class Capture:
+    """Stands in for the optimiser: keeps the gradient policy_update accumulated instead of stepping."""
+    def __init__(self, model):
+        self.model = model
+
+    def step(self):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def pair_batch(tiny):
+    model, tokenizer = tiny
+    enc = lambda text: tokenizer(text)["input_ids"]
+    prompts = [enc("What is 12 + 34?"), enc("What is 50 + 27?"), enc("What is 88 + 11?")]
+    completions = [enc("<answer>46</answer>"), enc("<answer>4</answer> no"), enc("<answer>77</answer>"),
+                   enc("<answer>77</answer>"), enc("so <answer>99"), enc("<answer>98</answer>")]
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])  # mixed, tied, mixed (worse one first)
+    adv = pair_advantages(rewards)
+    return [Sample(prompts[i // 2], c, rewards.view(-1)[i].item(), adv.view(-1)[i].item())
+            for i, c in enumerate(completions)]
+
+
+def test_eq14_pair_loss_equals_the_grpo_loss_with_g2_and_population_std(tiny):
+    model, tokenizer = tiny
+    vocab, samples = len(tokenizer), pair_batch(tiny)
+    torch.manual_seed(0)
+    with torch.no_grad():  # an old policy away from the current one, so both clips bind on some tokens
+        old = [packed_logprobs(model, [s], 1.0, vocab, 1024) + 0.4 * torch.randn(len(s.completion_ids))
+               for s in samples]
+    coefs = token_coefficients([len(s.completion_ids) for s in samples], "seq_mean")
+    opt = Capture(model)
+    stats = policy_update(model, opt, samples, coefs, temperature=1.0, vocab_size=vocab, token_budget=64,
+                          eps_low=0.2, eps_high=0.28, beta=0.0, old_logps=old, grad_clip=1e9)
+    assert 0 < stats["clip_frac"] < 1
+    model.zero_grad()
+    want = eq14_loss(model, samples, old, 0.2, 0.28, vocab)
+    want.backward()
+    assert stats["loss"] == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+    assert_grads_close(opt.grads, {n: p.grad for n, p in model.named_parameters()})
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("loss_agg", ["seq_mean", "token_mean"])
+def test_training_on_mixed_pairs_only_gives_the_same_update(tiny, loss_agg):
+    model, tokenizer = tiny
+    vocab, samples = len(tokenizer), pair_batch(tiny)
+    kw = dict(temperature=1.0, vocab_size=vocab, token_budget=64, eps_low=0.2, eps_high=0.28, beta=0.0)
+    full, part = Capture(model), Capture(model)
+    policy_update(model, full, samples, token_coefficients([len(s.completion_ids) for s in samples], loss_agg), **kw)
+    keep, coefs = rows_to_train(samples, loss_agg, None, len(samples), skip_tied=True)
+    assert keep == [0, 1, 4, 5]  # the tied pair (rows 2, 3) never reaches the trainer
+    stats = policy_update(model, part, [samples[i] for i in keep], coefs, **kw)
+    assert stats["train_tokens"] == sum(len(samples[i].completion_ids) for i in keep)
+    assert_grads_close(part.grads, full.grads, rel=1e-5)
+    # a 2-GRPO+RS batch cut short at the cap: 3 pairs in 4 slots are still normalised by all 8 slots
+    keep, coefs = rows_to_train(samples, "seq_mean", None, 8, skip_tied=True)
+    assert torch.allclose(coefs, torch.tensor([1 / (8 * len(samples[i].completion_ids)) for i in keep]))
+    tied = [Sample([1], [2], 1.0, 0.0), Sample([1], [3], 1.0, 0.0)]
+    assert rows_to_train(tied, loss_agg, None, 2, skip_tied=True)[0] == [0]  # one zero-gradient row keeps Adam going
+    assert rows_to_train(samples, loss_agg, None, 6, skip_tied=False)[0] == list(range(6))
+
+
+@pytest.mark.parametrize("missing,mixed,drawn,cap,factor,want", [
+    (8, 0, 0, 64, 8, 8),     # first round: the batch itself
+    (6, 2, 8, 64, 8, 24),    # 2 of 8 mixed: 6 more need 24 prompts at that rate
+    (7, 1, 8, 64, 8, 56),    # 1 of 8 mixed: 1/8 rate -> 56
+    (8, 0, 8, 64, 8, 56),    # none mixed: the rate floor 1/8 (64 would pass the cap: 56 left)
+    (3, 5, 60, 64, 8, 4),    # near the cap
+])
+def test_resample_draw_sizes(missing, mixed, drawn, cap, factor, want):
+    assert prompts_to_draw(missing, mixed, drawn, cap, factor) == want
+
+
+def test_two_grpo_toy_run_defaults_and_resume(tmp_path):
+    out = str(tmp_path / "run")
+    result = run(SMALL + ["--steps", "2", "--eval_every", "0", "--out", out], script="two_grpo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = json.load(open(os.path.join(out, "config.json")))["args"]
+    # the toy's GRPO rate 3e-4 scaled by 8 / 32 prompts; G = 2, population std, no eps, clip-higher, no KL
+    assert config["lr"] == pytest.approx(3e-4 * 8 / 32) and config["group_size"] == 2
+    assert (config["std_mode"], config["adv_eps"], config["eps_high"], config["beta"]) == ("population", 0.0, 0.28, 0.0)
+    logged = rows(out)
+    for r in logged[1:]:
+        assert r["rollouts"] == 16 and r["prompts_drawn"] == 8
+        tied = round(r["tied_pairs"] * 8)  # tied pairs never reach the trainer (beta = 0)
+        assert r["trained_rollouts"] == max(2 * (8 - tied), 1)
+    result = run(["--resume", out, "--steps", "3"], script="two_grpo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in rows(out)] == [0, 1, 2, 3]
+    assert json.load(open(os.path.join(out, "config.json")))["args"]["lr"] == config["lr"]  # not scaled twice
+
+
+def test_two_grpo_resample_trains_mixed_pairs_only(tmp_path):
+    out = str(tmp_path / "rs")
+    result = run(SMALL + ["--steps", "2", "--eval_every", "0", "--resample", "--resample_cap", "3", "--out", out],
+                 script="two_grpo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for r in rows(out)[1:]:
+        drawn, tied = r["prompts_drawn"], round(r["tied_pairs"] * r["prompts_drawn"])
+        assert 8 <= drawn <= 24 and r["rollouts"] == 2 * drawn
+        assert r["trained_rollouts"] == max(2 * min(8, drawn - tied), 1)
+        assert drawn == 24 or drawn - tied >= 8  # stops when B pairs are mixed, or at the cap
+    assert json.load(open(os.path.join(out, "config.json")))["args"]["lr"] == pytest.approx(3e-4 * 8 / 32)
+    given = run(SMALL + ["--steps", "1", "--eval_every", "0", "--lr", "1e-4", "--out", str(tmp_path / "lr")],
+                script="two_grpo.py")
+    assert given.returncode == 0 and json.load(open(tmp_path / "lr" / "config.json"))["args"]["lr"] == 1e-4
+
+
+def test_two_grpo_bad_input_and_help(tmp_path):
+    result = run(["--resample", "--resample_cap", "0", "--out", str(tmp_path / "x")], script="two_grpo.py")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "--resample_cap must be at least 1" in lines[0]
+    assert not (tmp_path / "x").exists()
+    result = run(["--help"], script="two_grpo.py")
+    import two_grpo
+    from dataclasses import fields
+    for f in fields(two_grpo.Args):
+        assert f"--{f.name}" in result.stdout and f.metadata["help"].split()[0] in result.stdout
