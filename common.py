@@ -507,12 +507,13 @@ def token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta, is_weight
 
 
 def policy_update(model, optimizer, samples, coefs, *, temperature, vocab_size, token_budget, eps_low, eps_high, beta,
-                  old_logps=None, ref_logps=None, tis_cap=0.0, grad_clip=1.0, chunk=1024):
-    """One optimiser step on the whole rollout batch: packed micro-batches, gradient accumulation, clipping.
+                  old_logps=None, ref_logps=None, tis_cap=0.0, grad_clip=1.0, chunk=1024, pack=pack_microbatches):
+    """One optimiser step on the whole rollout batch: packed micro-batches (`pack(lengths, budget)` -> index lists),
+    gradient accumulation, clipping.
     old_logps=None means on-policy (mu = 1): the ratio is taken against logp.detach() of this same forward pass."""
     lengths = [len(s.completion_ids) for s in samples]
     stats = collections.defaultdict(float)
-    for mb in pack_microbatches([len(s.prompt_ids) + n for s, n in zip(samples, lengths)], token_budget):
+    for mb in pack([len(s.prompt_ids) + n for s, n in zip(samples, lengths)], token_budget):
         group = [samples[i] for i in mb]
         logp = packed_logprobs(model, group, temperature, vocab_size, chunk)  # [N]
         dev, rep = logp.device, torch.tensor([lengths[i] for i in mb], device=logp.device)
