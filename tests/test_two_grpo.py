@@ -9,6 +9,7 @@ import torch
 
 from common import Sample, packed_logprobs, policy_update, token_coefficients
 from conftest import assert_grads_close
+from test_packing import RecordingOptimizer as Capture  # keeps the accumulated gradient instead of stepping
 from test_cli import rows, run
 from two_grpo import pair_advantages, prompts_to_draw, rows_to_train
 
@@ -39,18 +40,6 @@ def eq14_loss(model, samples, old, eps_low, eps_high, vocab):
         total = total + 0.5 * (torch.minimum(rho(pos), torch.tensor(1 + eps_high)).mean()
                                - torch.maximum(rho(neg), torch.tensor(1 - eps_low)).mean())
     return -total / pairs
-
-
-class Capture:
-    """Stands in for the optimiser: keeps the gradient policy_update accumulated instead of stepping."""
-    def __init__(self, model):
-        self.model = model
-
-    def step(self):
-        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
 
 
 def pair_batch(tiny):
