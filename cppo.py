@@ -216,8 +216,10 @@ def main():
         t_reward = time.time() - t0 - t_rollout
 
         # 4. old / reference log-probs, then mu clipped updates, on the kept rows only  (docs/grpo.md#eq-objective)
+        t1 = time.time()
         old = sequence_logprobs(model, kept_samples, **train_kw) if args.mu > 1 else None  # mu = 1: logp.detach()
         ref = sequence_logprobs(ref_model, kept_samples, **train_kw) if ref_model is not None else None
+        t_logp = time.time() - t1  # inside t_train
         for _ in range(args.mu):
             stats = policy_update(model, optimizer, kept_samples, coefs, old_logps=old, ref_logps=ref, beta=args.beta,
                                   eps_low=args.eps_low, eps_high=args.eps_high, tis_cap=args.tis_cap,
@@ -243,8 +245,9 @@ def main():
                "kept_zero_adv": sum(s.advantage == 0 for s in kept_samples) / len(kept_samples),
                "train_s_full_est": full_s, "train_s_saved_est": full_s - t_train,
                "verify_timeouts": REWARD_STATS["timeout"], "verify_errors": REWARD_STATS["error"],
-               "no_answer": REWARD_STATS["no_answer"], "rollout_s": t_rollout, "reward_s": t_reward,
-               "train_s": t_train, "step_s": time.time() - t0, "tokens_per_s": n_tokens / (time.time() - t0)}
+               "no_answer": REWARD_STATS["no_answer"], "rollouts": len(samples), "rollout_s": t_rollout,
+               "reward_s": t_reward, "train_s": t_train, "logp_s": t_logp, "step_s": time.time() - t0,
+               "tokens_per_s": n_tokens / (time.time() - t0)}
         if (args.eval_every and done % args.eval_every == 0) or done == steps:
             eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
             row["eval_accuracy"] = eval_acc

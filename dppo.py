@@ -262,8 +262,10 @@ def main():
         t_reward = time.time() - t0 - t_rollout
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
+        t1 = time.time()
         old = sequence_logprobs(model, kept, **train_kw) if args.mu > 1 else None  # on-policy: old = logp.detach()
         ref = sequence_logprobs(ref_model, kept, **train_kw) if ref_model is not None else None
+        t_logp = time.time() - t1  # inside t_train
         for _ in range(args.mu):
             stats = policy_update(model, optimizer, kept, coefs, old_logps=old, ref_logps=ref, beta=args.beta,
                                   eps_low=args.eps_low, eps_high=args.eps_high, tis_cap=args.tis_cap,
@@ -273,7 +275,9 @@ def main():
         t_train = time.time() - t0 - t_rollout - t_reward
         # the window packer's density (it ran), next to that of first-fit-decreasing (docs/dppo.md#eq-density)
         seq_lens, budget = [len(s.prompt_ids) + len(s.completion_ids) for s in kept], args.token_budget
+        t1 = time.time()
         bins = window_pack(seq_lens, budget, args.window)
+        t_pack = (time.time() - t1) * args.mu  # the planning cost of the packer, once per update
 
         # 5. the engine samples the next step with the new weights
         engine.push(model)
@@ -290,10 +294,11 @@ def main():
                "prompt_keep_frac": len(batch) / len(examined), "completion_keep_frac": len(kept) / len(samples),
                "weight_mean": sum(weights) / max(1, len(weights)), "weight_max": max(weights, default=0.0),
                "pack_density": packing_density(seq_lens, bins, budget), "pack_micro_batches": len(bins),
-               "pack_density_ffd": packing_density(seq_lens, pack_microbatches(seq_lens, budget), budget),
+               "pack_s": t_pack, "pack_density_ffd": packing_density(seq_lens, pack_microbatches(seq_lens, budget), budget),
                "verify_timeouts": REWARD_STATS["timeout"], "verify_errors": REWARD_STATS["error"],
-               "no_answer": REWARD_STATS["no_answer"], "rollout_s": t_rollout, "reward_s": t_reward,
-               "train_s": t_train, "step_s": time.time() - t0, "tokens_per_s": n_tokens / (time.time() - t0)}
+               "no_answer": REWARD_STATS["no_answer"], "rollouts": len(samples), "rollout_s": t_rollout,
+               "reward_s": t_reward, "train_s": t_train, "logp_s": t_logp, "step_s": time.time() - t0,
+               "tokens_per_s": n_tokens / (time.time() - t0)}
         if (args.eval_every and done % args.eval_every == 0) or done == steps:
             eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
             row["eval_accuracy"] = eval_acc

@@ -230,8 +230,10 @@ def main():
         t_reward = time.time() - t0 - t_rollout - t_mmr
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
+        t1 = time.time()
         old = sequence_logprobs(model, samples, **train_kw) if args.mu > 1 else None  # on-policy: old = logp.detach()
         ref = sequence_logprobs(ref_model, samples, **train_kw) if ref_model is not None else None
+        t_logp = time.time() - t1  # inside t_train
         for _ in range(args.mu):
             stats = policy_update(model, optimizer, samples, coefs, old_logps=old, ref_logps=ref, beta=args.beta,
                                   eps_low=args.eps_low, eps_high=args.eps_high, tis_cap=args.tis_cap,
@@ -252,8 +254,9 @@ def main():
                "zero_std_groups": (rewards == rewards[:, :1]).all(dim=1).float().mean().item(),
                "lr": scheduler.get_last_lr()[0],
                "verify_timeouts": REWARD_STATS["timeout"], "verify_errors": REWARD_STATS["error"],
-               "no_answer": REWARD_STATS["no_answer"], "rollout_s": t_rollout, "reward_s": t_reward,
-               "train_s": t_train, "step_s": time.time() - t0, "tokens_per_s": n_tokens / (time.time() - t0),
+               "no_answer": REWARD_STATS["no_answer"], "rollouts": len(samples), "rollout_s": t_rollout,
+               "reward_s": t_reward, "train_s": t_train, "logp_s": t_logp, "step_s": time.time() - t0,
+               "tokens_per_s": n_tokens / (time.time() - t0),
                "mmr_lambda": lam.mean().item(), "mmr_s": t_mmr,  # mean within-group similarity i != j:
                "mmr_similarity": sim[:, ~torch.eye(G, dtype=torch.bool)].sum().item() / max(1, B * G * (G - 1)),
                "silent_groups": (advantages == 0).all(dim=1).float().mean().item()}  # in GRPO = zero_std_groups

@@ -26,9 +26,109 @@ def test_padded_update_has_the_packed_gradient(tiny):
     assert_grads_close(grads[1], grads[0])
 
 
-def test_bench_runs_on_the_toy_shape():
-    result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--shape", "toy", "--sequences", "16",
-                             "--budgets", "128", "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+def test_bench_step_part_runs_on_the_toy_shape(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--parts", "step", "--shape", "toy",
+                             "--sequences", "16", "--budgets", "128", "--repeats", "1", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     table = [line for line in result.stdout.splitlines() if line.startswith("| packed") or line.startswith("| padded")]
     assert len(table) == 2 and "x |" in table[1]
+    report = (tmp_path / "results.md").read_text()
+    assert "## 1. The training update" in report and "## 2." not in report and (tmp_path / "results" / "step.png").exists()
+
+
+# ---------------------------------------------------------------- the side-by-side parts: every formula by hand
+
+def test_step_phases_split_each_step_into_parts_that_add_up():
+    from bench import PHASES, step_phases
+    rows = [{"step": 0, "eval_accuracy": 0.5},
+            {"step": 1, "rollout_s": 99, "reward_s": 99, "train_s": 99, "logp_s": 9, "step_s": 999, "rollouts": 99},
+            {"step": 2, "rollout_s": 1.0, "reward_s": 0.5, "train_s": 3.0, "logp_s": 1.0, "pack_s": 0.2, "step_s": 5.0,
+             "rollouts": 8, "completion_keep_frac": 0.5},  # DPPO-like: packing planned inside train_s
+            {"step": 3, "rollout_s": 2.0, "reward_s": 0.5, "train_s": 2.0, "logp_s": 0.5, "mmr_s": 0.4, "step_s": 5.4,
+             "rollouts": 8, "eval_accuracy": 0.7}]  # MMR-like: embeddings outside train_s
+    got = step_phases(rows)  # the first timed step is the warm-up, left out
+    want = {"rollout_s": 1.5, "reward_s": 0.5, "logp_s": 0.75, "update_s": 1.65, "overhead_s": 0.3, "other_s": 0.5,
+            "step_s": 5.2, "rollouts": 8, "trained": 6}
+    assert got.keys() == want.keys()
+    for k in want:
+        assert abs(got[k] - want[k]) < 1e-9, k
+    assert abs(sum(got[p] for p in PHASES) - got["step_s"]) < 1e-9
+    two_grpo = step_phases([rows[1], {**rows[3], "trained_rollouts": 3}])
+    assert two_grpo["trained"] == 3
+    stalled = {**rows[2], "rollout_s": 50.0, "step_s": 54.0}  # one step stalled by the machine: the median ignores it
+    assert step_phases([rows[1], rows[2], stalled, rows[3]])["rollout_s"] == 2.0  # median of 1, 50, 2 (mean 17.7)
+    assert step_phases([rows[1], rows[2], stalled, rows[3]])["step_s"] == 5.4
+
+
+def test_ideal_ratios_and_the_ideal_step():
+    from bench import ideal_ratios, ideal_step
+    grpo = {"rollout_s": 1.0, "reward_s": 1.0, "logp_s": 2.0, "update_s": 4.0, "overhead_s": 0.0, "other_s": 2.0}
+    cppo = ideal_ratios("cppo", 0.875, 0.5)
+    assert cppo["logp_s"] == cppo["update_s"] == 0.125 and cppo["rollout_s"] == 1.0
+    assert abs(ideal_step(cppo, grpo) - (1 + 1 + 0.25 + 0.5 + 2) / 10) < 1e-12  # 0.475
+    assert abs(ideal_step(ideal_ratios("dppo", 0.875, 0.5), grpo) - 0.7) < 1e-12
+    for method in ["grpo", "two_grpo", "mmr_grpo"]:
+        assert ideal_step(ideal_ratios(method, 0.875, 0.5), grpo) == 1.0
+
+
+def test_matched_flags_sample_the_same_rollouts():
+    from bench import matched_flags
+    from cppo import kept_per_question, questions_to_sample
+    Q, G, P = 16, 16, 0.875
+    for method in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
+        flags = matched_flags(method, Q, G, P)
+        B, g = int(flags[flags.index("--prompts_per_step") + 1]), int(flags[flags.index("--group_size") + 1])
+        questions = questions_to_sample(B, g, kept_per_question(g, P)) if method == "cppo" else B
+        assert questions * g == Q * G, method
+    assert matched_flags("two_grpo", Q, G, P)[1:4:2] == ["128", "2"]
+
+
+def test_curve_and_first_reaching():
+    from bench import curve, first_reaching, spread
+    rows = [{"step": 0, "eval_accuracy": 0.6}, {"step": 1, "step_s": 2.0, "rollouts": 10},
+            {"step": 2, "step_s": 3.0, "rollouts": 10, "eval_accuracy": 0.9},
+            {"step": 3, "step_s": 1.0, "rollouts": 30, "eval_accuracy": 0.85}]
+    points = curve(rows)
+    assert points == [(0, 0.6, 0.0, 0.0), (2, 0.9, 5.0, 20.0), (3, 0.85, 6.0, 50.0)]
+    assert first_reaching(points, 0.9) == (2, 0.9, 5.0, 20.0)
+    assert first_reaching(points, 0.6) == (0, 0.6, 0.0, 0.0)
+    assert first_reaching(points, 0.95) is None
+    assert spread([1.0, 2.0, 6.0], ".1f") == "3.0 [1.0–6.0]" and spread([2.0], ".0f") == "2" and spread([], ".0f") == "-"
+    assert spread([10240, 10240], ",.0f") == "10,240"  # seeds that agree: one value
+
+
+def test_bench_refuses_impossible_flags_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    for flags, word in [(["--questions", "10"], "whole number"), (["--breakdown_steps", "1"], "warm-up"),
+                        (["--target", "1.5"], "--target"), (["--model", str(tmp_path / "nope")], "--model"),
+                        (["--dataset", str(tmp_path / "nope.jsonl")], "--dataset")]:
+        result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *flags, "--out", str(out)],
+                                capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert result.returncode == 2, (flags, result.stderr[-500:])
+        assert len(result.stderr.strip().splitlines()) == 1 and word in result.stderr, (flags, result.stderr)
+    assert not out.exists()
+
+
+def test_bench_quick_writes_the_report(tiny_dir, tmp_path):
+    """--quick end to end on a tiny shape, all five scripts (transformers rollout: the vLLM engine has its own tests,
+    and five engine start-ups would double this test's time)."""
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--quick", "--shape", tiny_dir,
+                             "--sequences", "16", "--budgets", "256", "--breakdown_steps", "2", "--learn_steps", "2",
+                             "--eval_every", "1", "--eval_n", "8", "--rollout", "hf", "--out", str(out)],
+                            capture_output=True, text=True, timeout=900, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (out / "results.md").read_text()
+    for name in ["step.png", "breakdown.png", "learning.png"]:
+        assert (out / "results" / name).read_bytes()[:4] == b"\x89PNG"
+        assert f"(results/{name})" in text
+    assert "HFEngine" in text and "python bench.py --quick" in text
+    tables = [line for line in text.splitlines() if line.startswith("| ")]
+    for method in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
+        assert sum(line.startswith(f"| {method} |") for line in tables) == 3, method  # seconds, ratios, learning
+    assert "| grpo | 1.00 (1) | 1.00 (1) | 1.00 (1) | 1.00 (1) | 0.0% | 1.00 (1.00) |" in tables
+    cppo = next(line for line in tables if line.startswith("| cppo | 256 → "))
+    assert cppo.startswith("| cppo | 256 → 32 |")  # 16 questions x 16 sampled, 1 - P = 1/8 trained
+    assert not [p for p in os.listdir(out) if p.startswith(".bench-")]  # no staging left behind

@@ -36,3 +36,21 @@ def test_every_equation_names_a_function_the_code_defines():
             section = body.split('<a id="')[0]
             named = set(re.findall(r"`(\w+)(?:\(|`)", section)) | set(re.findall(r"\((\w+)[,)]", section))
             assert named & defined, f"{os.path.basename(doc)}#{anchor} names no function of the code"
+
+
+def test_relative_links_resolve():
+    """README.md and docs/*.md link both ways (map <-> method pages <-> results): no link may point at nothing."""
+    pages = [os.path.join(REPO, "README.md")] + glob.glob(os.path.join(REPO, "docs", "*.md"))
+    for page in pages:
+        text = open(page).read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            assert os.path.exists(full), f"{os.path.relpath(page, REPO)} links to missing {target}"
+            if anchor and full.endswith(".md"):
+                assert anchor in anchors(open(full).read()), f"{os.path.relpath(page, REPO)} links to missing {target}"
+    for doc in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
+        text = open(os.path.join(REPO, "docs", f"{doc}.md")).read()
+        assert "](README.md)" in text and "](results.md)" in text, f"docs/{doc}.md does not link back to the map"
