@@ -3,8 +3,6 @@ import os
 import subprocess
 import sys
 
-import torch
-
 from bench import make_samples, padded_update
 from common import policy_update, token_coefficients
 from conftest import assert_grads_close
@@ -59,6 +57,12 @@ def test_step_phases_split_each_step_into_parts_that_add_up():
     stalled = {**rows[2], "rollout_s": 50.0, "step_s": 54.0}  # one step stalled by the machine: the median ignores it
     assert step_phases([rows[1], rows[2], stalled, rows[3]])["rollout_s"] == 2.0  # median of 1, 50, 2 (mean 17.7)
     assert step_phases([rows[1], rows[2], stalled, rows[3]])["step_s"] == 5.4
+
+
+def test_mfu_by_hand():
+    from bench import mfu
+    # 1.5e9 parameters, 20,000 tokens in 2 s: 6 * 1.5e9 * 2e4 / 2 = 9e13 FLOP/s = 90 TFLOP/s, of a 900 TFLOP/s peak
+    assert abs(mfu(1.5e9, 20_000, 2.0, 900.0) - 0.1) < 1e-12
 
 
 def test_ideal_ratios_and_the_ideal_step():
