@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,8 +36,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common import (DATASETS, REAL_RECIPE, REPO, Sample, autocast, check_model, chunked_logprobs, die, lm_head_weight,
-                    load_dataset, make_optimizer, pack_microbatches, policy_update, token_coefficients, token_loss)
+from common import (DATASETS, REAL_RECIPE, REPO, Sample, attention_kernel, autocast, check_model, chunked_logprobs, die,
+                    lm_head_weight, load_dataset, make_optimizer, pack_microbatches, policy_update, register_varlen,
+                    token_coefficients, token_loss)
 
 SHAPES = {  # Qwen2.5 configs (hidden, layers, heads, kv heads, intermediate, vocab); toy = toy/model
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
@@ -64,6 +66,7 @@ def build_model(shape, device, attn):
                              intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=32768)
     config.use_cache = False
     torch.manual_seed(0)
+    register_varlen()
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).to(device)
     return model.train()
 
@@ -77,13 +80,28 @@ def make_samples(n, lengths, vocab, seed=0):
             for p, c in zip(prompt, completion)]
 
 
+def padded_groups(seq_lens, token_budget):
+    """padded_update's micro-batches: as many sequences as fit the budget at the batch's longest length, in order."""
+    per_mb = max(1, token_budget // max(seq_lens))
+    return [seq_lens[i:i + per_mb] for i in range(0, len(seq_lens), per_mb)]
+
+
+def padding_bound(seq_lens, token_budget):
+    """What packing can save at most: (tokens, attention scores) the padded layout computes over what the packed one
+    does. Padded: each micro-batch of b sequences computes b L_max tokens and b L_max^2 scores; packed: the sum of
+    the lengths L_i and, with per-sequence attention, of L_i^2 (docs/grpo.md#packing)."""
+    groups = padded_groups(seq_lens, token_budget)
+    tokens = sum(len(g) * max(g) for g in groups) / sum(seq_lens)
+    scores = sum(len(g) * max(g) ** 2 for g in groups) / sum(n * n for n in seq_lens)
+    return tokens, scores
+
+
 def padded_update(model, optimizer, samples, coefs, *, temperature, vocab_size, token_budget, eps_low, eps_high,
                   beta, grad_clip=1.0, chunk=1024):
     """The same update on right-padded micro-batches (the usual layout: TRL, nano-aha-moment): as many sequences per
     micro-batch as fit the budget at the batch's longest length, in the rollout's order."""
     device = next(model.parameters()).device
-    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-    per_mb = max(1, token_budget // width)
+    per_mb = len(padded_groups([len(s.prompt_ids) + len(s.completion_ids) for s in samples], token_budget)[0])
     for start in range(0, len(samples), per_mb):
         group = samples[start:start + per_mb]
         L = max(len(s.prompt_ids) + len(s.completion_ids) for s in group)
@@ -125,50 +143,58 @@ def mfu(n_params, tokens, seconds, peak_tflops):
 
 
 def bench_step(args, device):
-    """Packed and padded updates per token budget. Returns (a description line, table rows as dicts)."""
-    lengths = args.lengths or ("toy" if args.shape == "toy" else "gsm8k")
-    budgets = args.budgets or ([256, 512, 1024, 2048, 16384] if device.type == "cpu" else [4096, 8192, 16384])
+    """Padded and packed updates per length mix and token budget (and packed under the dense mask with --dense).
+    Returns (a description line, table rows as dicts)."""
+    mixes = args.lengths or (["toy", "gsm8k"] if args.shape == "toy" else ["gsm8k"])
+    budgets = args.budgets or ([512, 4096, 16384] if device.type == "cpu" else [4096, 16384, 32768])
     model = build_model(args.shape, device, args.attn)
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
-    samples = make_samples(args.sequences, lengths, vocab)
-    seq_lens = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-    tokens = sum(seq_lens)
-    coefs = token_coefficients([len(s.completion_ids) for s in samples], "seq_mean")
     optimizer, _ = make_optimizer(model, 1e-6, 0.0, 0, 1, "constant")
     kw = dict(temperature=1.0, vocab_size=vocab, eps_low=0.2, eps_high=0.2, beta=0.0)
     peak = bf16_peak_tflops(device) if device.type == "cuda" else None
     about = (f"{args.shape} shape ({n_params / 1e6:.1f}M parameters, random weights, fp32 master weights"
-             f"{', bf16 autocast' if device.type == 'cuda' else ''}), one update over {args.sequences} sequences = "
-             f"{tokens:,} tokens ({lengths} length mix), attn={args.attn}, mean of {args.repeats} timed updates after "
-             f"one warm-up" + (f"; measured bf16 matmul peak {peak:.0f} TFLOP/s" if peak else ""))
+             f"{', bf16 autocast' if device.type == 'cuda' else ''}), one update over {args.sequences} sequences, packed "
+             f"attention {attention_kernel(args.attn, device)}, median of {args.repeats} timed updates after one warm-up"
+             + (f"; measured bf16 matmul peak {peak:.0f} TFLOP/s" if peak else ""))
+    layouts = [("padded", padded_update, args.attn), ("packed", policy_update, args.attn)]
+    layouts += [("packed, dense mask", policy_update, "sdpa")] if args.dense and args.attn == "varlen" else []
 
-    def timed(fn, budget):
+    def timed(fn, samples, coefs, budget):
+        """Median seconds of args.repeats updates after one warm-up: a 2-core machine stalls now and then, and
+        a mean would carry a stall into the ratio."""
         fn(model, optimizer, samples, coefs, token_budget=budget, **kw)  # warm-up
         if device.type == "cuda":
-            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.time()
+        seconds = []
         for _ in range(args.repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
             fn(model, optimizer, samples, coefs, token_budget=budget, **kw)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = (time.time() - t0) / args.repeats
-        return seconds, torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t0)
+        return statistics.median(seconds), torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
     rows = []
-    for budget in tqdm(budgets, desc="bench: training step", dynamic_ncols=True):
-        for layout, fn in (("padded", padded_update), ("packed", policy_update)):
-            if layout == "padded" and args.no_padded:
-                continue
-            n_mb = -(-len(samples) // max(1, budget // max(seq_lens))) if layout == "padded" else \
-                len(pack_microbatches(seq_lens, budget))
-            seconds, memory = timed(fn, budget)
-            rows.append(dict(layout=layout, budget=budget, micro_batches=n_mb, seconds=seconds, memory=memory,
-                             tokens_per_s=tokens / seconds, mfu=mfu(n_params, tokens, seconds, peak) if peak else None))
-    padded = {r["budget"]: r["seconds"] for r in rows if r["layout"] == "padded"}
+    jobs = [(mix, budget, layout) for mix in mixes for budget in budgets for layout in layouts
+            if not (layout[0] == "padded" and args.no_padded)]
+    samples = {mix: make_samples(args.sequences, mix, vocab) for mix in mixes}
+    for mix, budget, (layout, fn, attn) in tqdm(jobs, desc="bench: training step", dynamic_ncols=True):
+        seq_lens = [len(s.prompt_ids) + len(s.completion_ids) for s in samples[mix]]
+        coefs = token_coefficients([len(s.completion_ids) for s in samples[mix]], "seq_mean")
+        model.set_attn_implementation(attn)
+        seconds, memory = timed(fn, samples[mix], coefs, budget)
+        n_mb = len(padded_groups(seq_lens, budget) if layout == "padded" else pack_microbatches(seq_lens, budget))
+        bound = padding_bound(seq_lens, budget) if layout != "padded" else (None, None)
+        rows.append(dict(lengths=mix, tokens=sum(seq_lens), layout=layout, budget=budget, micro_batches=n_mb,
+                         seconds=seconds, memory=memory, tokens_per_s=sum(seq_lens) / seconds, bound_tokens=bound[0],
+                         bound_scores=bound[1], mfu=mfu(n_params, sum(seq_lens), seconds, peak) if peak else None))
+    model.set_attn_implementation(args.attn)
+    padded = {(r["lengths"], r["budget"]): r["seconds"] for r in rows if r["layout"] == "padded"}
     for r in rows:
-        r["vs_padded"] = padded[r["budget"]] / r["seconds"] if r["budget"] in padded else None
+        r["vs_padded"] = padded[r["lengths"], r["budget"]] / r["seconds"] if (r["lengths"], r["budget"]) in padded else None
     return about, rows
 
 
@@ -177,12 +203,13 @@ def fmt(value, spec, suffix=""):
 
 
 def step_table(rows):
-    out = ["| layout | token budget | micro-batches | s / update | tokens/s | vs padded (same budget) | peak GiB | MFU |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| lengths | layout | token budget | micro-batches | s / update | tokens/s | vs padded (same budget) | "
+           "bound: padded / packed tokens, scores | peak GiB | MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['layout']} | {r['budget']} | {r['micro_batches']} | {r['seconds']:.3f} | "
-                   f"{r['tokens_per_s']:,.0f} | {fmt(r['vs_padded'], '.2f', 'x')} | {fmt(r['memory'], '.1f')} | "
-                   f"{fmt(r['mfu'], '.1%')} |")
+        bound = f"{r['bound_tokens']:.2f}x, {r['bound_scores']:.2f}x" if r["bound_tokens"] else "-"
+        out.append(f"| {r['lengths']} ({r['tokens']:,} tokens) | {r['layout']} | {r['budget']} | {r['micro_batches']} | "
+                   f"{r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | {fmt(r['vs_padded'], '.2f', 'x')} | {bound} | "
+                   f"{fmt(r['memory'], '.1f')} | {fmt(r['mfu'], '.1%')} |")
     return out
 
 
@@ -275,16 +302,21 @@ def run_script(method, flags, out):
 
 
 def plot_step(plt, rows):
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    budgets = sorted({r["budget"] for r in rows})
-    for k, layout in enumerate(["padded", "packed"]):
-        got = {r["budget"]: r["tokens_per_s"] for r in rows if r["layout"] == layout}
-        xs = [i + (k - 0.5) * 0.38 for i, b in enumerate(budgets) if b in got]
-        ax.bar(xs, [got[b] for b in budgets if b in got], width=0.38, label=layout)
-    ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
-    ax.set_xlabel("token budget per micro-batch")
-    ax.set_ylabel("tokens / s (one update)")
-    ax.legend()
+    mixes = list(dict.fromkeys(r["lengths"] for r in rows))
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    fig, axes = plt.subplots(1, len(mixes), figsize=(5 * len(mixes) + 1, 3.5), squeeze=False)
+    for ax, mix in zip(axes[0], mixes):
+        budgets = sorted({r["budget"] for r in rows if r["lengths"] == mix})
+        width = 0.8 / len(layouts)
+        for k, layout in enumerate(layouts):
+            got = {r["budget"]: r["tokens_per_s"] for r in rows if r["layout"] == layout and r["lengths"] == mix}
+            xs = [i + (k - (len(layouts) - 1) / 2) * width for i, b in enumerate(budgets) if b in got]
+            ax.bar(xs, [got[b] for b in budgets if b in got], width=width, label=layout)
+        ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
+        ax.set_title(f"{mix} lengths")
+        ax.set_xlabel("token budget per micro-batch")
+    axes[0][0].set_ylabel("tokens / s (one update)")
+    axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -443,11 +475,15 @@ def parse():
     # 1. the training step
     a("--shape", default="toy", help=f"model shape for the step part: toy | {' | '.join(SHAPES)} | a model folder "
       "(its config only; random weights)")
-    a("--lengths", default=None, choices=list(LENGTHS), help="length mix of the step part (default: toy for toy, else gsm8k)")
+    a("--lengths", nargs="+", default=None, choices=list(LENGTHS), help="length mixes of the step part (default: toy "
+      "and gsm8k for the toy shape, else gsm8k)")
     a("--sequences", type=int, default=256, help="completions per update in the step part (a rollout batch)")
-    a("--budgets", type=int, nargs="+", default=None, help="token budgets per micro-batch to compare (default: 256 512 "
-      "1024 2048 16384 on CPU, 4096 8192 16384 on GPU; --quick: 512 16384 on CPU)")
-    a("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation of the step part")
+    a("--budgets", type=int, nargs="+", default=None, help="token budgets per micro-batch to compare (default: 512 "
+      "4096 16384 on CPU, 4096 16384 32768 on GPU; --quick: 512 4096 on CPU)")
+    a("--attn", default="varlen", choices=["varlen", "sdpa", "eager"], help="attention of the packed layout: varlen "
+      "(per sequence, no mask; default) or transformers' sdpa / eager under a dense block-diagonal mask")
+    a("--dense", action="store_true", help="also time the packed layout under sdpa's dense [T, T] mask (the path "
+      "before varlen attention; slow at large budgets)")
     a("--repeats", type=int, default=None, help="timed updates per setting after one warm-up (default 3, --quick 1)")
     a("--no_padded", action="store_true", help="skip the padded baseline")
     # 2. and 3. the scripts
@@ -480,7 +516,7 @@ def parse():
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         args.out = os.path.join(REPO, "docs") if len(set(args.parts)) == 3 else os.path.join("runs", f"bench-{stamp}")
     if quick and args.budgets is None and not torch.cuda.is_available():
-        args.budgets = [512, 16384]
+        args.budgets = [512, 4096]
     return args
 
 
@@ -534,10 +570,15 @@ def main():
             figures["step.png"] = plot_step(plt, rows)
             lines += ["## 1. The training update: packed vs padded", "", f"{about}.", "", *table, "",
                       "![tokens/s per layout and budget](results/step.png)", "",
-                      "Both layouts compute the same gradient (tests/test_bench.py); *padded* fits as many right-padded "
-                      "sequences per micro-batch as the budget allows at the batch's longest length, *packed* is "
-                      "common.pack_microbatches (first-fit decreasing, no padding). MFU is 6 N tokens / time over the "
-                      "bf16 peak, GPU only.", ""]
+                      "All layouts compute the same gradient (tests/test_bench.py, tests/test_packing.py). *padded* fits "
+                      "as many right-padded sequences per micro-batch as the budget allows at the batch's longest length "
+                      "(in rollout order); *packed* is common.pack_microbatches (first-fit decreasing, no padding) with "
+                      "the attention named above; *packed, dense mask* (`--dense`) is the same packing under "
+                      "transformers' sdpa, which builds the block-diagonal [T, T] mask. The bound is what packing can "
+                      "save at most on that batch: the padded layout's computed tokens (and attention scores, the sum "
+                      "of b L_max^2 over its micro-batches) over the packed layout's (the sum of L_i, and of L_i^2); "
+                      "docs/grpo.md#packing has the cost model. MFU is 6 N tokens / time over the bf16 peak, GPU only.",
+                      ""]
         common_flags = ["--model", args.model, "--dataset", args.dataset, "--rollout", args.rollout]
         jobs = [("breakdown", m, 0) for m in args.methods if "breakdown" in args.parts]
         jobs += [("learning", m, s) for s in args.seeds for m in args.methods if "learning" in args.parts]

@@ -343,11 +343,12 @@ def stop_token_ids(tokenizer, path):
     return sorted(i for i in ids if i is not None)
 
 
-def load_model(path, device, trust_remote_code=False, attn="sdpa", grad_ckpt=False, frozen=False):
+def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=False, frozen=False):
     """fp32 weights, bf16 autocast on GPU (see autocast()): a 1e-6 AdamW step is below bf16 resolution. The frozen
     reference uses the same precision, so the KL is exactly 0 at the start. use_cache is off: a cache would disable
     packed-sequence masks."""
     from transformers import AutoModelForCausalLM
+    register_varlen()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn,
                                                  trust_remote_code=trust_remote_code).to(device)
     model.config.use_cache = False
@@ -429,9 +430,158 @@ def lm_head_weight(model, vocab_size):
     return weight.to(torch.bfloat16) if weight.is_cuda else weight
 
 
+# Attention over a packed row, one sequence at a time, without a [T, T] mask (docs/grpo.md#packing). Registered with
+# transformers as attn_implementation "varlen", so the model code is untouched: the mask function returns PACKED
+# instead of building the dense block-diagonal mask, and the attention function runs each sequence on its own from
+# the SeqLayout that packed_logprobs passes down through the model's kwargs. A padded batch (HF generate, bench.py's
+# baseline) or a single sequence gets transformers' own sdpa, mask included.
+BUCKET_RATIO = 0.8  # CPU kernel: a sequence shares a bucket whose longest is at most 1 / 0.8 = 1.25x its length
+
+
+class _Packed:
+    def __repr__(self):
+        return "PACKED"
+
+
+PACKED = _Packed()  # what the "varlen" mask function hands every layer for a packed row: "no mask, see seq_layout"
+
+
+@dataclasses.dataclass
+class SeqLayout:
+    """Where the sequences of a packed row lie, computed once per micro-batch and read by every layer.
+    cu_seqlens [n+1] int32 and max_len drive the CUDA varlen kernels. The CPU kernel groups sequences of similar
+    length into buckets, one batched causal sdpa call each over a right-padded view: `gather` [R] picks the rows of
+    that view from the packed row (bucket after bucket; padding repeats a sequence's last token), `scatter` [T] the
+    view row of each packed token. Right padding is exact under a causal mask: a real query never sees a pad key."""
+    kernel: str
+    cu_seqlens: torch.Tensor
+    max_len: int
+    buckets: list = None  # [(sequences, padded length)] in gather order
+    gather: torch.Tensor = None
+    scatter: torch.Tensor = None
+
+
+def seq_layout(lengths, device):
+    """The SeqLayout of sequences of these lengths packed back to back, for the kernel picked on this device."""
+    kernel = varlen_kernel(device.type)
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)  # [n+1]
+    if kernel != "sdpa-buckets":
+        return SeqLayout(kernel, cu_seqlens, max(lengths))
+    groups = []  # longest first; a sequence joins the open bucket if it is at least BUCKET_RATIO of its longest
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and lengths[i] >= BUCKET_RATIO * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    gather, scatter = [], [0] * starts[-1]
+    for group in groups:
+        width = lengths[group[0]]
+        for i in group:
+            scatter[starts[i]:starts[i + 1]] = range(len(gather), len(gather) + lengths[i])
+            gather += [*range(starts[i], starts[i + 1]), *[starts[i + 1] - 1] * (width - lengths[i])]
+    as_index = functools.partial(torch.tensor, dtype=torch.long, device=device)
+    return SeqLayout(kernel, cu_seqlens, max(lengths), [(len(g), lengths[g[0]]) for g in groups],
+                     as_index(gather), as_index(scatter))
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_kernel(device_type):
+    """Picked once per process: on CUDA torch's varlen_attn, else flash-attn's varlen function, each only if a tiny
+    causal GQA call through it runs here; otherwise (and on CPU) batched sdpa over length buckets."""
+    if device_type == "cuda":
+        for name in ("torch-varlen", "flash-attn-varlen"):
+            with contextlib.suppress(Exception):
+                q = torch.randn(24, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                kv = torch.randn(24, 2, 64, device="cuda", dtype=torch.bfloat16)
+                cu = torch.tensor([0, 9, 24], dtype=torch.int32, device="cuda")
+                _cuda_varlen(name, q, kv, kv, cu, 15, 0.125).sum().backward()
+                return name
+    return "sdpa-buckets"
+
+
+def _cuda_varlen(name, q, k, v, cu_seqlens, max_len, scale):
+    """Causal attention per sequence on CUDA: q [T, Hq, d], k and v [T, Hkv, d] -> [T, Hq, d]. (Not executed here:
+    no GPU was lent to this project's sessions; varlen_kernel() tries each before choosing it.)"""
+    if name == "torch-varlen":
+        from torch.nn.attention.varlen import varlen_attn  # torch >= 2.11: window_size, enable_gqa, scale
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, window_size=(-1, 0),
+                           enable_gqa=k.shape[1] != q.shape[1])
+    from flash_attn import flash_attn_varlen_func  # GQA natively
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, softmax_scale=scale, causal=True)
+
+
+def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
+    """transformers mask function of "varlen": PACKED for a packed row (transformers found restarting position ids
+    and would build a block-diagonal [T, T] mask), sdpa's own mask otherwise (None for a plain causal row)."""
+    from transformers.masking_utils import sdpa_mask
+    if attention_mask is None and not allow_is_causal_skip:
+        return PACKED
+    return sdpa_mask(attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, seq_layout=None,
+                     **kwargs):
+    """transformers attention function of "varlen": query [1, Hq, T, d], key and value [1, Hkv, T, d] (GQA: Hkv
+    divides Hq) -> ([1, T, Hq, d], None), attention within each sequence of seq_layout only."""
+    if attention_mask is not PACKED:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if seq_layout is None:
+        raise RuntimeError("a packed row reached the varlen attention without its seq_layout: run packed rows "
+                           "through common.packed_logprobs (or pass seq_layout=seq_layout(lengths, device))")
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError("varlen attention has no sliding window: use --attn sdpa for this model")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, d]
+    lay, gqa = seq_layout, key.shape[1] != query.shape[1]
+    if lay.kernel != "sdpa-buckets":  # flash kernels take 16-bit inputs: RoPE under autocast leaves q and k in fp32
+        if q.dtype == torch.float32 and not torch.is_autocast_enabled("cuda"):
+            raise RuntimeError(f"{lay.kernel} needs bf16/fp16 inputs: run the model under torch.autocast")
+        dtype = torch.get_autocast_dtype("cuda") if q.dtype == torch.float32 else q.dtype
+        q, k, v = (x.to(dtype) for x in (q, k, v))
+        return _cuda_varlen(lay.kernel, q, k, v, lay.cu_seqlens, lay.max_len, scaling)[None], None
+    rows = [x.index_select(0, lay.gather) for x in (q, k, v)]  # [R, H, d] each, bucket after bucket
+    out, start = [], 0
+    for b, width in lay.buckets:
+        view = [x[start:start + b * width].unflatten(0, (b, width)).transpose(1, 2) for x in rows]  # [b, H, w, d]
+        o = torch.nn.functional.scaled_dot_product_attention(*view, dropout_p=dropout, is_causal=True, scale=scaling,
+                                                             enable_gqa=gqa)  # [b, Hq, w, d]
+        out.append(o.transpose(1, 2).flatten(0, 1))  # [b w, Hq, d]
+        start += b * width
+    return torch.cat(out).index_select(0, lay.scatter)[None], None  # [1, T, Hq, d]
+
+
+def register_varlen():
+    """Make attn_implementation="varlen" known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register("varlen", varlen_attention)
+    AttentionMaskInterface.register("varlen", varlen_mask)
+
+
+def attention_kernel(attn, device):
+    """What runs the attention of a packed row: for the run's first line and config.json."""
+    if attn != "varlen":
+        return f"{attn} under a dense block-diagonal [T, T] mask"
+    return f"varlen ({varlen_kernel(device.type)})"
+
+
+def default_token_budget(device, attn):
+    """Tokens per packed micro-batch when --token_budget is not given (docs/grpo.md#packing). CPU: 4096 was the
+    fastest budget measured with varlen attention here (bench.py --parts step); a dense [T, T] mask (sdpa, eager)
+    grows quadratically with the budget, so those paths keep 512. GPU: 16384, which a 1.5B model's activations fit
+    with gradient checkpointing on one 80 GB card."""
+    if device.type == "cuda":
+        return 16384
+    return 4096 if attn == "varlen" else 512
+
+
 def packed_inputs(samples, device):
-    """Concatenate prompt+completion of each sample into one row. Position ids restart at 0 per sequence (that is
-    what makes transformers build a block-diagonal mask), and `predict` lists the positions whose next token is a
+    """Concatenate prompt+completion of each sample into one row. Position ids restart at 0 per sequence (RoPE
+    positions, and how transformers tells a packed row), and `predict` lists the positions whose next token is a
     completion token. The last position of a sequence would predict the next sequence's first token: it is never used.
     >>> packed_inputs([Sample([5, 6], [7]), Sample([8], [9, 2])], 'cpu')  # ids [5 6 7 8 9 2], pos [0 1 2 0 1 2]
     ... predict = [1, 3, 4]  (6 -> 7, 8 -> 9, 9 -> 2)"""
@@ -450,10 +600,12 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk):
     """Per-token log-probs of the completions of `samples`, in one packed forward pass. Returns [N] (all tokens)."""
     device = next(model.parameters()).device
     input_ids, position_ids, predict = packed_inputs(samples, device)
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    varlen = {"seq_layout": seq_layout(lengths, device)} if model.config._attn_implementation == "varlen" else {}
     with autocast(device):
         # attention_mask=None and use_cache=False: otherwise transformers silently attends across sequences
         hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
-                                     use_cache=False).last_hidden_state[0]  # [T, d]
+                                     use_cache=False, **varlen).last_hidden_state[0]  # [T, d]
         return chunked_logprobs(hidden[predict], lm_head_weight(model, vocab_size), input_ids[0, predict + 1],
                                 temperature, chunk=chunk)  # [N]
 

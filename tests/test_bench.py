@@ -26,13 +26,25 @@ def test_padded_update_has_the_packed_gradient(tiny):
 
 def test_bench_step_part_runs_on_the_toy_shape(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--parts", "step", "--shape", "toy",
-                             "--sequences", "16", "--budgets", "128", "--repeats", "1", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, cwd=REPO)
+                             "--lengths", "toy", "--dense", "--sequences", "16", "--budgets", "128", "--repeats", "1",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
-    table = [line for line in result.stdout.splitlines() if line.startswith("| packed") or line.startswith("| padded")]
-    assert len(table) == 2 and "x |" in table[1]
+    table = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| toy (")]
+    assert [row[1] for row in table] == ["padded", "packed", "packed, dense mask"]
+    assert table[0][6] == "1.00x" and table[1][6].endswith("x") and table[2][6].endswith("x")
+    assert table[0][7] == "-" and table[1][7] == table[2][7] != "-"  # the bound is the packing's, not the kernel's
     report = (tmp_path / "results.md").read_text()
     assert "## 1. The training update" in report and "## 2." not in report and (tmp_path / "results" / "step.png").exists()
+
+
+def test_padding_bound_by_hand():
+    from bench import padded_groups, padding_bound
+    lens = [10, 4, 6, 2]
+    assert padded_groups(lens, 20) == [[10, 4], [6, 2]]  # 20 // 10 = 2 sequences per padded micro-batch
+    tokens, scores = padding_bound(lens, 20)
+    assert abs(tokens - (2 * 10 + 2 * 6) / 22) < 1e-12  # 32 / 22 = 1.4545
+    assert abs(scores - (2 * 100 + 2 * 36) / (100 + 16 + 36 + 4)) < 1e-12  # 272 / 156 = 1.7436
+    assert padding_bound([5, 5, 5], 100) == (1.0, 1.0)  # equal lengths: nothing to save
 
 
 # ---------------------------------------------------------------- the side-by-side parts: every formula by hand

@@ -1,12 +1,13 @@
-"""The packed training step: packed == padded == one sequence at a time (logits and gradients, sdpa and eager), the
-memory-lean log-prob equals log_softmax + gather, and the micro-batch split never changes the gradient."""
+"""The packed training step: packed == padded == one sequence at a time (logits and gradients; the varlen attention
+and the dense-mask sdpa and eager references), no [T, T] mask for a packed row, the memory-lean log-prob equals
+log_softmax + gather, and the micro-batch split never changes the gradient."""
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_grads_close
 
 from common import (Sample, chunked_logprobs, load_model, pack_microbatches, packed_inputs, packed_logprobs,
-                    policy_update, sequence_logprobs, token_coefficients)
+                    policy_update, seq_layout, sequence_logprobs, token_coefficients)
 
 LENGTHS = [(4, 5), (7, 2), (3, 9), (6, 1)]  # (prompt, completion) pairs of ragged lengths
 
@@ -35,8 +36,10 @@ def padded(model, samples):
 def packed(model, samples, attention_mask=None):
     """All sequences in one row, restarting position ids, no mask: what the trainer does."""
     ids, pos, _ = packed_inputs(samples, "cpu")
-    logits = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask, use_cache=False).logits[0]
-    return list(logits.split([len(s.prompt_ids) + len(s.completion_ids) for s in samples]))
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    varlen = {"seq_layout": seq_layout(lengths, ids.device)} if model.config._attn_implementation == "varlen" else {}
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask, use_cache=False, **varlen).logits[0]
+    return list(logits.split(lengths))
 
 
 def completion_logprob_sum(logits_list, samples):
@@ -56,7 +59,7 @@ def grads_of(model, fn, samples):
     return grads
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["varlen", "sdpa", "eager"])
 def test_packed_equals_padded_equals_single(tiny_dir, tiny, attn):
     model = load_model(tiny_dir, torch.device("cpu"), attn=attn)
     samples = make_samples(len(tiny[1]))
@@ -69,14 +72,118 @@ def test_packed_equals_padded_equals_single(tiny_dir, tiny, attn):
     assert_grads_close(g_pad, g_ref)
 
 
-def test_packing_trap_all_ones_mask_leaks_across_sequences(tiny):
+def test_packing_trap_all_ones_mask_leaks_across_sequences(tiny_dir, tiny):
     """The silent failure the trainer avoids: an all-ones mask disables packed-sequence detection."""
-    model, tokenizer = tiny
+    model, tokenizer = load_model(tiny_dir, torch.device("cpu"), attn="sdpa"), tiny[1]
     samples = make_samples(len(tokenizer))
     ref = one_at_a_time(model, samples)
     ids, _, _ = packed_inputs(samples, "cpu")
     leaky = packed(model, samples, attention_mask=torch.ones_like(ids))
     assert (leaky[1] - ref[1]).abs().max() > 1e-2  # the second sequence attended to the first
+
+
+# ---------------------------------------------------------------- the varlen attention (GQA: the tiny model has 4
+# query heads and 2 key/value heads)
+
+# (prompt, completion): a length-1 completion, a 70-token sequence longer than the smaller budgets, and 24 short
+# sequences of 5-9 tokens that share micro-batches
+VARLEN_LENGTHS = [(6, 1), (30, 40), (3, 9), (5, 5)] + [(2 + k % 3, 3 + k % 5) for k in range(24)]
+
+
+def test_varlen_logprobs_and_gradients_equal_one_sequence_at_a_time_across_budgets(tiny):
+    model, tokenizer = tiny
+    assert model.config._attn_implementation == "varlen" and model.config.num_key_value_heads < 4
+    vocab = len(tokenizer)
+    samples = make_samples(vocab, seed=3, lengths=VARLEN_LENGTHS)
+    coefs = token_coefficients([c for _, c in VARLEN_LENGTHS], "seq_mean")
+    # reference: each sequence alone (no packing, no mask), the policy-gradient loss written out:
+    # on-policy the clipped surrogate's gradient is -sum_i c_i A_i sum_t grad log p_it
+    want_lp, loss = [], 0
+    for s, c in zip(samples, coefs):
+        logits = model(input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0, :, :vocab]
+        p, n = len(s.prompt_ids), len(s.completion_ids)
+        lp = logits[p - 1:p + n - 1].log_softmax(-1).gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+        want_lp.append(lp.detach())
+        loss = loss - float(c) * s.advantage * lp.sum()
+    model.zero_grad()
+    loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for budget in (100_000, 64, 16):  # one micro-batch; several; every sequence alone (70 > 64 goes alone too)
+        got_lp = sequence_logprobs(model, samples, 1.0, vocab, token_budget=budget, chunk=7)
+        for g, w in zip(got_lp, want_lp):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
+        opt = RecordingOptimizer(model)
+        stats = policy_update(model, opt, samples, coefs, temperature=1.0, vocab_size=vocab, token_budget=budget,
+                              eps_low=0.2, eps_high=0.2, beta=0.0, grad_clip=1e9, chunk=7)
+        assert stats["micro_batches"] == len(pack_microbatches([p + c for p, c in VARLEN_LENGTHS], budget))
+        assert_grads_close(opt.grads, want_grads)
+
+
+def test_seq_layout_buckets_by_hand():
+    """Lengths 3, 5, 4, 1 at offsets 0, 3, 8, 12. Longest first: 5 opens a bucket, 4 >= 0.8 * 5 joins it (padded
+    to 5), 3 < 0.8 * 5 opens the next, 1 the last. Padding repeats the sequence's last position."""
+    lay = seq_layout([3, 5, 4, 1], torch.device("cpu"))
+    assert lay.kernel == "sdpa-buckets" and lay.max_len == 5 and lay.cu_seqlens.tolist() == [0, 3, 8, 12, 13]
+    assert lay.buckets == [(2, 5), (1, 3), (1, 1)]
+    assert lay.gather.tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 0, 1, 2, 12]
+    assert lay.scatter.tolist() == [10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8, 13]
+    assert lay.gather[lay.scatter].tolist() == list(range(13))  # every token comes back from its own row
+
+
+def tensor_shapes_during(fn):
+    """Every shape an aten op produces while fn() runs, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    shapes.append(tuple(t.shape))
+            return out
+    shapes = []
+    with Record():
+        fn()
+    return shapes
+
+
+@pytest.mark.parametrize("attn", ["varlen", "sdpa"])
+def test_a_packed_micro_batch_never_builds_a_dense_t_by_t_tensor(tiny_dir, tiny, attn):
+    """No mask and no score matrix of the whole row: T appears at most once in any tensor made in forward or
+    backward. The dense-mask sdpa reference is probed the same way and does build one, so the probe can fail."""
+    model, vocab = load_model(tiny_dir, torch.device("cpu"), attn=attn), len(tiny[1])
+    samples = make_samples(vocab, seed=4, lengths=[(5, 9), (7, 4), (3, 11), (6, 6), (4, 6)])
+    T = 61  # prime, and no dimension of the model
+    assert sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples) == T
+    shapes = tensor_shapes_during(lambda: packed_logprobs(model, samples, 1.0, vocab, chunk=16).sum().backward())
+    dense = [s for s in shapes if s.count(T) >= 2]
+    if attn == "varlen":
+        assert not dense, dense[:5]
+    else:
+        assert dense  # the block-diagonal mask (and the scores) of the dense path
+
+
+def test_a_packed_row_without_its_layout_fails_loudly(tiny):
+    """Restarting position ids with no seq_layout would silently attend across sequences: it raises instead."""
+    model, tokenizer = tiny
+    ids, pos, _ = packed_inputs(make_samples(len(tokenizer)), "cpu")
+    with pytest.raises(RuntimeError, match="without its seq_layout"):
+        model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False)
+
+
+def test_hf_generate_is_unchanged_by_the_varlen_attention(tiny_dir, tiny):
+    """The policy model also generates (HF fallback): left-padded batches with a KV cache take sdpa's path."""
+    from common import HFEngine
+    tokenizer = tiny[1]
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
+    outs = []
+    for attn in ("varlen", "sdpa"):
+        engine = HFEngine(load_model(tiny_dir, torch.device("cpu"), attn=attn), tokenizer, len(tokenizer),
+                          [tokenizer.eos_token_id])
+        outs.append([engine.generate(prompts, n=1, temperature=0.0, max_tokens=10, seed=0),
+                     engine.generate(prompts, n=3, temperature=1.0, max_tokens=10, seed=0)])
+    assert outs[0] == outs[1]
 
 
 def test_packed_inputs_layout():
