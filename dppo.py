@@ -6,7 +6,9 @@ marks what the paper states and what is ours). What changes relative to grpo.py:
   * after scoring, on the full groups' advantages, completions are pruned: keep probability ~ |A| with a floor,
     an expected fraction r_o pruned (docs/dppo.md#eq-completion-keep);
   * a kept completion weighs 1/(pi_q pi_i) over the counts of the unpruned batch (Horvitz-Thompson), so the expected
-    gradient is the full-batch GRPO gradient (docs/dppo.md#eq-unbiased);
+    gradient is the full-batch GRPO gradient (docs/dppo.md#eq-unbiased) with seq_mean (the default) or constant
+    aggregation; with token_mean and prompt pruning the token normaliser is itself estimated, a ratio estimator
+    with a small bias (docs/dppo.md#eq-token-mean);
   * a window-based greedy packer of the training sequences; its valid-token density is logged (docs/dppo.md#eq-density).
 
 Run:
@@ -26,11 +28,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common import (DATASETS, REWARD_STATS, TEMPLATES, TOY_MODEL, Sample, arg, check_args, check_model, die, evaluate,
-                    group_advantages, load_checkpoint, load_dataset, load_model, load_tokenizer, log_row, make_engine,
-                    make_optimizer, math_reward, open_metrics, parse_args, policy_update, prompt_token_ids,
-                    save_checkpoint, sequence_logprobs, setup_run, stop_token_ids, take_prompts, token_coefficients,
-                    pack_microbatches, write_config)
+from common import (DATASETS, REWARD_STATS, TEMPLATES, TOY_MODEL, Sample, arg, attention_kernel,
+                    check_args, check_model, default_token_budget, die, evaluate, group_advantages,
+                    load_checkpoint, load_dataset, load_model, load_tokenizer, log_row, make_engine,
+                    make_optimizer, math_reward, open_metrics, pack_microbatches, parse_args,
+                    policy_update, prompt_token_ids, save_checkpoint, sequence_logprobs, setup_run,
+                    stop_token_ids, take_prompts, token_coefficients, write_config)
 
 
 @dataclass
@@ -77,10 +80,12 @@ class Args:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     grad_clip: float = arg(1.0, "clip the gradient norm to this")
     token_budget: int = arg(None, "tokens per packed micro-batch (a longer sequence gets one to itself)", type=int,
-                            default_help="16384 on GPU, 512 on CPU, where attention under a packed mask is dense")
+                            default_help="16384 on GPU, 4096 on CPU: the fastest measured here with --attn varlen "
+                                         "(512 on CPU with sdpa/eager, whose packed mask is dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
     grad_ckpt: bool = arg(None, "gradient checkpointing of the decoder layers", type=bool, default_help="on for GPU")
-    attn: str = arg("sdpa", "attention implementation", choices=["sdpa", "eager"])
+    attn: str = arg("varlen", "attention: varlen runs each packed sequence on its own; sdpa and eager build a "
+                     "dense [T, T] block-diagonal mask (the reference paths)", choices=["varlen", "sdpa", "eager"])
     # evaluation and checkpoints
     eval_every: int = arg(None, "greedy held-out accuracy every N steps, plus start and end (0 = start and end)", type=int)
     eval_n: int = arg(None, "held-out problems per evaluation", type=int)
@@ -184,7 +189,7 @@ def main():
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.grad_ckpt = device.type == "cuda" if args.grad_ckpt is None else args.grad_ckpt
-    args.token_budget = args.token_budget or (16384 if device.type == "cuda" else 512)
+    args.token_budget = args.token_budget or default_token_budget(device, args.attn)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     if tokenizer.chat_template is None:
         die(f"--model {args.model!r} has no chat template: use an instruct model or add one to its tokenizer")
@@ -211,10 +216,13 @@ def main():
         start, cursor = state["step"], state["cursor"]
         # a missing or older table (a kill right after a checkpoint) only means fewer prunings, never a bias
         history = {int(k): v for k, v in json.load(open(history_path)).items()} if os.path.exists(history_path) else {}
-    write_config(args, {"method": "dppo", "steps": steps, "engine": type(engine).__name__, "device": str(device)})
+    attention = attention_kernel(args.attn, device)
+    write_config(args, {"method": "dppo", "steps": steps, "engine": type(engine).__name__, "device": str(device),
+                        "attention": attention})
     metrics = open_metrics(args.out, start if args.resume else None)
     print(f"dppo: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "
-          f"rollout {type(engine).__name__}, {len(train_rows)} train / {len(eval_rows)} eval prompts, "
+          f"rollout {type(engine).__name__}, attention {attention}, {len(train_rows)} train / "
+          f"{len(eval_rows)} eval prompts, "
           f"{steps} steps of {B} x {G}, output {args.out}")
     train_kw = dict(temperature=args.temperature, vocab_size=vocab_size, token_budget=args.token_budget,
                     chunk=args.logprob_chunk)
