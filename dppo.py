@@ -32,8 +32,9 @@ from common import (DATASETS, REWARD_STATS, TEMPLATES, TOY_MODEL, Sample, arg, a
                     check_args, check_model, default_token_budget, die, evaluate, group_advantages,
                     load_checkpoint, load_dataset, load_model, load_tokenizer, log_row, make_engine,
                     make_optimizer, math_reward, open_metrics, pack_microbatches, parse_args,
-                    policy_update, prompt_token_ids, save_checkpoint, sequence_logprobs, setup_run,
-                    stop_token_ids, take_prompts, token_coefficients, write_config)
+                    policy_update, prompt_token_ids, rollout_seed, save_checkpoint,
+                    sequence_logprobs, setup_run, stop_token_ids, take_prompts, token_coefficients,
+                    write_config)
 
 
 @dataclass
@@ -249,7 +250,7 @@ def main():
         rows, prompt_pi = [examined[k] for k in kept_q], [prompt_pi[k] for k in kept_q]
         batch = [train_rows[i] for i in rows]
         outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature, args.max_tokens,
-                                  seed=args.seed * 1_000_003 + step * 65_536)  # list of B lists of G (ids, logps)
+                                  seed=rollout_seed(args.seed, step))  # list of B lists of G (ids, logps)
         engine.sleep()
         t_rollout = time.time() - t0
 

@@ -27,8 +27,8 @@ from common import (DATASETS, REWARD_STATS, TEMPLATES, TOY_MODEL, Sample, arg, a
                     check_args, check_model, default_token_budget, die, evaluate, group_advantages,
                     load_checkpoint, load_dataset, load_model, load_tokenizer, log_row, make_engine,
                     make_optimizer, math_reward, open_metrics, parse_args, policy_update,
-                    prompt_token_ids, save_checkpoint, sequence_logprobs, setup_run, stop_token_ids,
-                    take_prompts, token_coefficients, write_config)
+                    prompt_token_ids, rollout_seed, save_checkpoint, sequence_logprobs, setup_run,
+                    stop_token_ids, take_prompts, token_coefficients, write_config)
 
 
 @dataclass
@@ -146,7 +146,7 @@ def main():
         batch = [train_rows[i] for i in take_prompts(len(train_rows), cursor, B, args.seed)]
         cursor += B
         outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature, args.max_tokens,
-                                  seed=args.seed * 1_000_003 + step * 65_536)  # list of B lists of G (ids, logps)
+                                  seed=rollout_seed(args.seed, step))  # list of B lists of G (ids, logps)
         engine.sleep()
         t_rollout = time.time() - t0
 

@@ -31,8 +31,8 @@ from common import (DATASETS, REWARD_STATS, TEMPLATES, TOY_MODEL, Sample, arg, a
                     check_args, check_model, default_token_budget, die, evaluate, group_advantages,
                     load_checkpoint, load_dataset, load_model, load_tokenizer, log_row, make_engine,
                     make_optimizer, math_reward, open_metrics, parse_args, policy_update,
-                    prompt_token_ids, save_checkpoint, sequence_logprobs, setup_run, stop_token_ids,
-                    take_prompts, token_coefficients, write_config)
+                    prompt_token_ids, rollout_seed, save_checkpoint, sequence_logprobs, setup_run,
+                    stop_token_ids, take_prompts, token_coefficients, write_config)
 
 
 @dataclass
@@ -195,7 +195,7 @@ def main():
             new = [train_rows[i] for i in take_prompts(len(train_rows), cursor, n, args.seed)]
             cursor += n
             out = engine.generate([r["prompt_ids"] for r in new], G, args.temperature, args.max_tokens,
-                                  seed=args.seed * 1_000_003 + step * 65_536 + rounds)  # n lists of G (ids, logps)
+                                  seed=rollout_seed(args.seed, step, len(batch) * G))  # n lists of G (ids, logps)
             t1 = time.time()
             texts = tokenizer.batch_decode([ids for group in out for ids, _ in group], skip_special_tokens=True)
             scores = [math_reward(t, new[k // G]["gold"]) for k, t in enumerate(texts)]
@@ -206,6 +206,10 @@ def main():
         drawn, tied, r_drawn = len(batch), sum(len(set(r)) == 1 for r in rewards) / len(batch), torch.tensor(rewards)
         if args.resample:  # the batch is the first B mixed pairs; tied pairs (and any surplus) are discarded
             keep = [q for q, r in enumerate(rewards) if len(set(r)) > 1][:B]
+            if not keep:  # nothing to learn from: train on B tied pairs (zero advantage), as plain 2-GRPO would
+                tqdm.write(f"step {step + 1}: no mixed pair among {len(batch)} prompts (--resample_cap "
+                           f"{args.resample_cap}): training on {B} tied pairs, whose policy gradient is zero")
+                keep = list(range(B))
             batch, outputs, rewards = [batch[q] for q in keep], [outputs[q] for q in keep], [rewards[q] for q in keep]
         t_rollout = time.time() - t0 - t_reward
 

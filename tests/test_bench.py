@@ -148,3 +148,11 @@ def test_bench_quick_writes_the_report(tiny_dir, tmp_path):
     cppo = next(line for line in tables if line.startswith("| cppo | 256 → "))
     assert cppo.startswith("| cppo | 256 → 32 |")  # 16 questions x 16 sampled, 1 - P = 1/8 trained
     assert not [p for p in os.listdir(out) if p.startswith(".bench-")]  # no staging left behind
+
+
+def test_only_the_full_run_writes_into_docs(monkeypatch):
+    import bench
+    for argv, into_docs in [([], True), (["--quick"], False), (["--parts", "step"], False)]:
+        monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
+        out = bench.parse().out
+        assert (os.path.abspath(out) == os.path.join(REPO, "docs")) == into_docs, (argv, out)

@@ -288,7 +288,7 @@ def test_toy_cli_run_logs_the_pruning(tmp_path):
         assert r["train_s_saved_est"] == pytest.approx(r["train_s_full_est"] - r["train_s"], rel=1e-3, abs=1e-5)
         # the update trained exactly the kept tokens: 16 completions, their completion tokens only
         assert r["train_tokens"] <= 16 * 24
-    state = torch.load(os.path.join(out, "checkpoint", "state.pt"), weights_only=False)
+    state = torch.load(os.path.join(out, "checkpoint", "state.pt"), weights_only=True)
     assert state["step"] == 2 and state["cursor"] == 2 * 8
 
 

@@ -54,8 +54,8 @@ def test_unknown_dataset_names_the_choices():
 
 
 def test_paper_prompts_are_verbatim():
-    """shared/papers/grpo.md §9.2: CPPO's system prompts (real newline; MATH's ends with a space and keeps {{ANSWER}}),
-    verl's suffixes."""
+    """docs/grpo.md#defaults: CPPO's system prompts as in its official recipes (github.com/lzhxmu/CPPO; a real
+    newline; MATH's ends with a space and keeps {{ANSWER}}), verl's suffixes."""
     gsm = TEMPLATES["cppo_gsm8k"][0]
     assert gsm.startswith("A conversation between User and Assistant. The user asks a question")
     assert gsm.endswith("<think> reasoning process here </think>\n<answer> answer here </answer>.")

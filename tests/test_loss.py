@@ -186,3 +186,49 @@ def test_mismatch_and_tis_use_engine_logps(tiny):
         s.sample_logps = (lp - 1.0).tolist()  # weight e = 2.72: the cap of 2 binds on every token
     policy_update(model, opt, samples, coefs, tis_cap=2.0, **kw)
     assert_grads_close(opt.grads, {name: g * 2.0 for name, g in plain.items()})
+
+
+def test_grad_clip_zero_means_no_clipping(tiny):
+    """--grad_clip 0 is 'no clipping' (the Hugging Face habit), not 'scale every gradient by 0'; a small cap clips."""
+    model, tokenizer = tiny
+    samples = make_samples(len(tokenizer), seed=3)
+    coefs = token_coefficients([len(s.completion_ids) for s in samples], "seq_mean")
+    kw = dict(temperature=1.0, vocab_size=len(tokenizer), token_budget=10_000, eps_low=0.2, eps_high=0.2, beta=0.0)
+    got = {}
+    for clip in (0.0, 1e9, 1e-3):
+        opt = RecordingOptimizer(model)
+        stats = policy_update(model, opt, samples, coefs, grad_clip=clip, **kw)
+        got[clip] = (opt.grads, stats["grad_norm"])
+    norm = got[1e9][1]
+    assert norm > 1e-3 and got[0.0][1] == pytest.approx(norm)  # the logged norm is the unclipped one either way
+    assert_grads_close(got[0.0][0], got[1e9][0])
+    clipped = torch.cat([g.flatten() for g in got[1e-3][0].values()]).norm().item()
+    assert clipped == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_adamw_uses_the_papers_betas(tiny):
+    from common import make_optimizer
+    optimizer, _ = make_optimizer(tiny[0], 1e-6, 0.0, 0, 10, "constant")
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999)  # torch / TRL / verl default; docs/grpo.md#defaults
+
+
+def test_rollout_seeds_never_collide():
+    """Every rollout's sampling stream, as the engines derive it (prompt k of a generate() call: seed + k G; vLLM's
+    completion j of a request: + j), is distinct over runs, steps, prompts, resample rounds and completions."""
+    from common import rollout_seed
+    seen = set()
+    G = 4
+    for run_seed in (0, 1, 2):
+        for step in (0, 1, 2, 3):
+            drawn = 0
+            for n_prompts in (8, 5, 3):  # three generate() calls in one step, as two_grpo.py's resampling makes
+                base = rollout_seed(run_seed, step, drawn * G)
+                seen.update(base + k * G + j for k in range(n_prompts) for j in range(G))
+                drawn += n_prompts
+    assert len(seen) == 3 * 4 * 16 * G
+    # the old arithmetic (seed * 1_000_003 + step * 65_536 + round, + k G + j) collided within one step
+    old = [r + k * G + j for r in (0, 1) for k in range(8) for j in range(G)]
+    assert len(set(old)) < len(old)
+    assert rollout_seed(1, 0) != rollout_seed(0, 1) != rollout_seed(0, 0, 1)
+    with pytest.raises(ValueError):
+        rollout_seed(0, 2 ** 20)

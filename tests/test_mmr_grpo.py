@@ -18,8 +18,8 @@ sigmoid = lambda x: 1 / (1 + math.exp(-x))
 
 
 def notes_similarity():
-    """The notes' toy group (shared/papers/mmr_grpo.md §5): completions 0, 1, 2, 4, 5 are paraphrases (cosine 0.9),
-    completion 3 is different (cosine 0.5 to every other)."""
+    """The constructed group of docs/mmr_grpo.md#worked-examples: completions 0, 1, 2, 4, 5 are paraphrases
+    (cosine 0.9), completion 3 is different (cosine 0.5 to every other)."""
     s = torch.full((6, 6), 0.9, dtype=torch.float64)
     s[3, :] = s[:, 3] = 0.5
     return s.fill_diagonal_(1.0)

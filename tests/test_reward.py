@@ -34,10 +34,31 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("<answer>$18 per day</answer>", "18"),
     ("<answer>18 eggs.</answer>", "18"),
     ("<answer>5\\%</answer>", "5"),
+    # plain-text final answers after math-verify's anchors ("final answer is", "answer is", "answer:"): a sample of
+    # real references (GSM8K test, MATH-500) in the phrasings instruct models write. Every GSM8K and MATH-500 test
+    # reference in six such phrasings was paid, and none off by one (docs/grpo.md#reward).
+    ("The answer is 18.", "18"),
+    ("The final answer is 18.", "18"),
+    ("Answer: 70000", "70000"),
+    ("**Answer:** 540", "540"),
+    ("So the answer is 460 dollars.", "460"),
+    ("Therefore, the answer is: 1.25\nDone.", "1.25"),
+    ("The final answer is $\\frac{14}{3}$. I hope it is correct.", "\\frac{14}{3}"),
+    ("Answer: \\left( 3, \\frac{\\pi}{2} \\right)", "\\left( 3, \\frac{\\pi}{2} \\right)"),
+    ("The final answer is $p - q$.", "p - q"),
+    ("So the answer is 3\\sqrt{13}.", "3\\sqrt{13}"),
+    ("The answer is \\text{Evelyn}.", "\\text{Evelyn}"),
+    ("The answer is 17. Wait, the final answer is 18.", "18"),  # the last anchor counts
 ]
 WRONG = [  # each must score 0.0
     ("<answer>17</answer>", "18"),
-    ("The answer is 18.", "18"),  # no final-answer marker: no credit
+    ("Janet makes 18 dollars a day.", "18"),  # no final-answer marker: no credit
+    ("The final answer is 19.", "18"),  # off by one
+    ("Answer: \\frac{3}{14}", "\\frac{14}{3}"),
+    ("The answer is 18 or 19.", "18"),  # a hedge after the anchor: two numbers
+    ("answer: 47+38", "85"),  # the question copied after the anchor
+    ("I will find the answer to 47+38. 47+38 = 85", "85"),  # 'answer to' is no anchor
+    ("The final answer is 18.\n#### 17", "18"),  # '####' outranks the anchor, as the tag and box do
     ("What is 3+4?", "7"),  # echoing the question must not be paid (math-verify alone would evaluate 3+4)
     ("<answer>3+4</answer>", "7"),  # the question copied into the tag: not a number
     ("<answer>47 + 38 = 85</answer>", "85"),  # a numeric gold needs exactly one number

@@ -10,7 +10,7 @@ import torch
 from common import Sample, packed_logprobs, policy_update, token_coefficients
 from conftest import assert_grads_close
 from test_packing import RecordingOptimizer as Capture  # keeps the accumulated gradient instead of stepping
-from test_cli import rows, run
+from test_cli import REPO, rows, run
 from two_grpo import pair_advantages, prompts_to_draw, rows_to_train
 
 SMALL = ["--prompts_per_step", "8", "--eval_n", "16"]
@@ -138,6 +138,26 @@ def test_two_grpo_resample_trains_mixed_pairs_only(tmp_path):
     given = run(SMALL + ["--steps", "1", "--eval_every", "0", "--lr", "1e-4", "--out", str(tmp_path / "lr")],
                 script="two_grpo.py")
     assert given.returncode == 0 and json.load(open(tmp_path / "lr" / "config.json"))["args"]["lr"] == 1e-4
+
+
+def test_two_grpo_resample_with_no_mixed_pair_goes_on(tmp_path):
+    """A dataset whose reference no completion ever matches: every pair is tied, resampling finds none mixed. The
+    step must say so and train on tied pairs (before the fix: IndexError in rows_to_train), and the run resumes."""
+    data = tmp_path / "never.jsonl"
+    toy = [json.loads(line) for line in open(os.path.join(REPO, "toy", "data", "train.jsonl"))][:64]
+    data.write_text("".join(json.dumps({"question": r["question"], "answer": "-987654"}) + "\n" for r in toy))
+    out = str(tmp_path / "tied")
+    flags = SMALL + ["--dataset", str(data), "--eval_every", "0", "--resample", "--resample_cap", "2", "--out", out]
+    result = run(flags + ["--steps", "2"], script="two_grpo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no mixed pair among 16 prompts" in result.stdout + result.stderr
+    logged = rows(out)
+    assert [r["step"] for r in logged if "tied_pairs" in r] == [1, 2]
+    assert all(r["tied_pairs"] == 1.0 and r["prompts_drawn"] == 16 and r["trained_rollouts"] == 1
+               for r in logged if "tied_pairs" in r)
+    result = run(["--resume", out, "--steps", "3"], script="two_grpo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in rows(out) if "tied_pairs" in r] == [1, 2, 3]
 
 
 def test_two_grpo_bad_input_and_help(tmp_path):

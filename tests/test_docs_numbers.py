@@ -1,0 +1,432 @@
+"""Every worked number in docs/{grpo,two_grpo,cppo,dppo,mmr_grpo}.md, recomputed by hand.
+
+Each test names the doc section, recomputes its numbers from first principles (plain Python and
+numpy, independent of the scripts) and calls `printed(doc, template, *values)`. The template is the
+doc's sentence with `@` where a number stands. The sentence must appear in the doc (whitespace and
+line breaks ignored) AND each number printed there must equal the recomputed value at the precision
+it is printed with, so the test fails when either the doc or the arithmetic drifts. Measured
+numbers (timings, accuracies) are not recomputed, only what the docs derive from them. CPU, < 1 s.
+"""
+import functools
+import math
+import os
+import re
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM = r"[+−±-]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:e[+−-]?\d+)?"
+
+
+@functools.lru_cache(maxsize=None)
+def doc(name):
+    with open(os.path.join(REPO, "docs", name), encoding="utf-8") as f:
+        return " ".join(f.read().split())
+
+
+def as_printed(text, value):
+    """True when `value` rounds to the number printed as `text`: '−.50', '+3.750', '1,024',
+    '8e-6', '±0.707' (compared with |value|). An int value must match exactly."""
+    mantissa, _, exp = text.replace("−", "-").lower().partition("e")
+    if mantissa.startswith("±"):
+        mantissa, value = mantissa[1:], abs(value)
+    number = float(mantissa.replace(",", "").replace("+", "")) * 10.0 ** int(exp or 0)
+    if isinstance(value, int):
+        return number == value
+    decimals = len(mantissa.partition(".")[2])
+    half_unit = 0.5 * 10.0 ** (int(exp or 0) - decimals)
+    return abs(value - number) <= half_unit * (1 + 1e-9) + 1e-12
+
+
+def printed(name, template, *values):
+    """Assert that docs/<name> prints `template`, each `@` a number equal to its value as printed."""
+    parts = " ".join(template.split()).split("@")
+    assert len(parts) == len(values) + 1, "one value per @"
+    found = re.search(f"({NUM})".join(re.escape(p) for p in parts), doc(name))
+    assert found, f"docs/{name} no longer prints: {template!r}"
+    for text, value in zip(found.groups(), values):
+        assert as_printed(text, value), \
+            f"docs/{name}: {text} is printed where {value!r} is computed ({template!r})"
+
+
+def advantages(rewards, std="unbiased", eps=1e-4):
+    """One group's advantages (docs/grpo.md#eq-advantage); 0 for a tied group."""
+    r = np.asarray(rewards, dtype=float)
+    if np.all(r == r[0]):
+        return np.zeros_like(r)
+    return (r - r.mean()) / (r.std(ddof=1 if std == "unbiased" else 0) + eps)
+
+
+# ------------------------------------------------------------------------------------ grpo.md
+
+
+def test_grpo_std_convention_table():
+    """grpo.md §2: population vs unbiased advantages (eps = 0)."""
+    for g, r, label in [(2, [1, 0], "{1, 0}"), (4, [1, 0, 0, 1], "{1, 0, 0, 1}")]:
+        pop, unb = advantages(r, "population", 0), advantages(r, "unbiased", 0)
+        assert np.allclose(unb, pop * math.sqrt((g - 1) / g))  # smaller by sqrt((G-1)/G)
+        printed("grpo.md", f"| {g} | {label} | @ / @ | @ / @ |",
+                pop.max(), pop.min(), unb.max(), unb.min())
+    r = [1] + [0] * 15
+    pop, unb = advantages(r, "population", 0), advantages(r, "unbiased", 0)
+    assert math.isclose(pop.max(), math.sqrt(15)) and math.isclose(pop.min(), -1 / math.sqrt(15))
+    printed("grpo.md", "| 16 | 1 correct | +√15 = @ / −1/√15 = @ | @ / @ |",
+            pop.max(), pop.min(), unb.max(), unb.min())
+
+
+def test_grpo_logit_memory_and_padded_vocabulary():
+    """grpo.md §3: fp32 logits of a 16k-token micro-batch, of one chunk; Qwen2.5's padded ids."""
+    vocab, tokenizer = 151_936, 151_665
+    printed("grpo.md", "(for Qwen2.5 and a 16k-token micro-batch, @ × @ × 4 bytes ≈ @ GB)",
+            16_384, vocab, 16_384 * vocab * 4 / 1e9)
+    printed("grpo.md", "(chunk = 1024 → ≈ @ GB for Qwen2.5)", 1024 * vocab * 4 / 1e9)
+    printed("grpo.md", "Qwen2.5 pads its embedding to @ rows while its tokenizer has @ entries",
+            vocab, tokenizer)
+    printed("grpo.md", "Qwen2.5 has @ padded ids", vocab - tokenizer)
+
+
+def test_grpo_bf16_resolution():
+    """grpo.md §12: bf16 keeps 8 significant bits, so it rounds a weight to within 2^-8 of it."""
+    printed("grpo.md", "far below bf16's resolution (≈ @% of a weight)", 100 * 2.0 ** -8)
+
+
+# ------------------------------------------------------------------------------------ two_grpo.md
+
+
+def test_two_grpo_pair_advantages():
+    """two_grpo.md §1: population std gives ±1, the unbiased std ±1/√2, eps > 0 1/(1 + 2 eps)."""
+    assert list(advantages([1, 0], "population", 0)) == [1, -1]
+    printed("two_grpo.md", "A = ±1/√2 ≈ @, not the paper's ±1", advantages([1, 0], "unbiased", 0)[0])
+    eps = 0.01
+    assert math.isclose(advantages([1, 0], "population", eps)[0], 1 / (1 + 2 * eps))
+    printed("two_grpo.md", "(any eps > 0 would give 1/(1 + 2·eps) instead of 1)")
+
+
+def test_two_grpo_tied_pair_probabilities():
+    """two_grpo.md §3: a pair is mixed with probability 2p(1-p) <= 1/2, so Table 3's discard rates
+    (all above 1/2) can only be p² + (1-p)²."""
+    p = np.linspace(0, 1, 100_001)
+    mixed = 2 * p * (1 - p)
+    assert math.isclose(mixed.max(), 0.5)
+    printed("two_grpo.md", "a pair is mixed with probability 2p(1 − p) (at most ½)")
+    printed("two_grpo.md", "its Table 3 values (@–@ discarded) only fit p² + (1−p)²", 0.53, 0.77)
+    assert mixed.max() < 0.53 and (1 - mixed).min() <= 0.53 and (1 - mixed).max() >= 0.77
+
+
+def test_two_grpo_batch_and_learning_rate():
+    """two_grpo.md §4-§5: 512 rollouts either way; the linearly scaled learning rates."""
+    assert 256 * 2 == 32 * 16 == 512 and 128 * 2 == 32 * 8 == 256
+    printed("two_grpo.md", "keep @ rollouts per mini-batch, as @ × 2 instead of @ × 16", 512, 256, 32)
+    printed("two_grpo.md", "| rollouts per step | @ × 2 = @ (16-GRPO: @ × 16) | @ × 2 | "
+            "@ × 2 = @ (`grpo.py` toy: @ × 8) |", 256, 512, 32, 256, 128, 256, 32)
+    printed("two_grpo.md", "| GRPO recipe 1e-6 × 256/32 = @ | toy GRPO rate 3e-4 × 128/32 = @ |",
+            1e-6 * 256 / 32, 3e-4 * 128 / 32)
+    printed("two_grpo.md", "(`--prompts_per_step 64` gets @×)", 64 // 32)
+
+
+def test_two_grpo_resample_cap_and_toy_arithmetic():
+    """two_grpo.md §7 and §9: the cap is 16-GRPO's budget; the toy's trained share; RS at the cap."""
+    B, G, cap = 128, 2, 8
+    printed("two_grpo.md", "The cap defaults to @: B·G·8 rollouts is what @-GRPO would spend",
+            cap, G * cap)
+    printed("two_grpo.md", "the trainer saw @ of the @ rollouts per step on average", 48, B * G)
+    printed("two_grpo.md", "so the trainer sees about a fifth of the rollouts")
+    assert abs(48 / (B * G) - 1 / 5) < 0.02
+    printed("two_grpo.md", "the default cap of @ × B prompts (@ rollouts per step, @ on average",
+            cap, cap * B * G, 1705)
+    printed("two_grpo.md", "a step costs about @× the rollouts of plain 2-GRPO", 1705 / (B * G))
+
+
+def test_two_grpo_ten_epochs():
+    """two_grpo.md §8: 10 epochs of MATH's 7,500 training problems at 256 prompts per step."""
+    printed("two_grpo.md", "on MATH's @ training problems at B = @ (about @ steps per epoch)",
+            7500, 256, 7500 / 256)
+    printed("two_grpo.md", "--template verl_math --steps @`", math.ceil(10 * 7500 / 256))
+
+
+# ------------------------------------------------------------------------------------ cppo.md
+
+
+def official_cppo(G, P):
+    """The official open-r1 trainer: int(G(1-P)) as the sampler's group size, vLLM n multiplied by
+    int(1/(1-P))."""
+    return int(G * (1 - P)), int(1 / (1 - P))
+
+
+def test_cppo_minority_outcome_is_kept():
+    """cppo.md §1 and §4: |A| for one right answer in 16 (eps 1e-4) and for 8; what k = 2 keeps."""
+    a = advantages([1] + [0] * 15)
+    printed("cppo.md", "one right answer gives A = @ for it and @ for the fifteen others", a[0], a[1])
+    printed("cppo.md", "a group with one right answer in 16 (|A| = @ and @) keeps its right answer "
+            "before any member of a group with 8 right (|A| ≈ @)",
+            a[0], -a[1], advantages([1] * 8 + [0] * 8)[0])
+    for m in range(1, 16):
+        a = advantages([1] * m + [0] * (16 - m))
+        right, wrong = abs(a[0]), abs(a[-1])
+        if 2 <= m <= 7:
+            assert right > wrong  # k = 2 keeps two right answers
+        elif 9 <= m <= 14:
+            assert wrong > right
+        elif m == 8:
+            assert math.isclose(right, wrong)
+    printed("cppo.md", "With 2 ≤ m ≤ 7 right answers k = 2 keeps two right answers")
+
+
+def test_cppo_allocation_arithmetic():
+    """cppo.md §2 and §10: k = G(1-P), Q = ceil(BG/k), and what the official truncation samples."""
+    printed("cppo.md", "G = 16: P = 0.5 → @, 0.75 → @, 0.875 → @, 0.9375 → @",
+            *[round(16 * (1 - p)) for p in (0.5, 0.75, 0.875, 0.9375)])
+    printed("cppo.md", "a k such as 16·(1 − 0.7) = @ or 8·(1 − 0.9375) = @",
+            16 * (1 - 0.7), 8 * (1 - 0.9375))
+    g, rep = official_cppo(16, 0.7)
+    printed("cppo.md", "with G = 16 and P = 0.7 it samples int(16 · 0.3) · int(1/0.3) = @ · @ = @ "
+            "completions per question instead of 16", g, rep, g * rep)
+    B, G, P = 2, 8, 0.625
+    k = round(G * (1 - P))
+    Q = math.ceil(B * G / k)
+    printed("cppo.md", "B = 2, G = 8, P = 0.625: k = @, Q = ⌈@/@⌉ = @ and @ rows are kept",
+            k, B * G, k, Q, Q * k)
+    g, rep = official_cppo(G, P)
+    printed("cppo.md", "that is int(@) · int(@) = @ · @ = @ completions per question instead of 8",
+            G * (1 - P), 1 / (1 - P), g, rep, g * rep)
+    printed("cppo.md", "(@ instead of 8 for G = 8, P = 0.625;", g * rep)
+    assert (B * G) % g != 0  # the official divisibility check stops B·G = 16 slots
+    printed("cppo.md", "completion slots (B·G = @ here) be divisible by int(G(1−P)) = @", B * G, g)
+    slots = 24
+    assert slots % g == 0
+    sampled = slots // g * g * rep
+    pruned = int(sampled * P)
+    Q = math.ceil(slots / k)
+    printed("cppo.md", "With @ slots (B = @) it runs: @/@ = @ questions × @ = @ completions, of "
+            "which int(@ · 0.625) = @ are pruned and @ trained, against @ kept rows of @ "
+            "completions in `cppo.py` (Q = @)",
+            slots, slots // G, slots, g, slots // g, g * rep, sampled, sampled, pruned,
+            sampled - pruned, Q * k, Q * G, Q)
+
+
+def test_cppo_defaults_and_float_rounding():
+    """cppo.md §2, §4 and §9: the default step, int(N P) in floating point, the toy's counts."""
+    B, G, P = 8, 16, 0.875
+    k = round(G * (1 - P))
+    Q = math.ceil(B * G / k)
+    printed("cppo.md", "With the defaults B = 8, G = 16, P = 0.875: Q = @ questions, @ rollouts and "
+            "@ kept rows per step", Q, Q * G, Q * k)
+    assert repr(100 * 0.29) == "28.999999999999996"
+    assert int(100 * 0.29) == 28 and int(100 * 0.29 + 1e-6) == 29
+    printed("cppo.md", "in floating point 100 × 0.29 = 28.999999999999996, so the official "
+            "int(N·P) prunes @ of 100", int(100 * 0.29))
+    with open(os.path.join(REPO, "toy", "data", "train.jsonl"), encoding="utf-8") as f:
+        train = sum(1 for line in f if line.strip())
+    steps, mu = 40, 2
+    printed("cppo.md", "a step samples @ questions × 16 = @ completions and trains two updates on @ "
+            "of them. 40 steps visit @ questions (@ passes over the @ training problems) against "
+            "`grpo.py`'s @, and take @ optimiser steps of @ rows against its 40 of @. The warm-up is "
+            "round(0.1 × @) = @ optimiser steps",
+            Q, Q * G, Q * k, steps * Q, steps * Q / train, train, steps * 32, steps * mu, Q * k,
+            32 * 8, steps * mu, round(0.1 * steps * mu))
+
+
+def test_cppo_toy_ratios():
+    """cppo.md §11: the ratios derived from the measured table."""
+    printed("cppo.md", "| `python cppo.py` (default: batch scope) | @ s | "
+            "0.595 → 0.960 → 0.990 → 0.985 → **0.985** | @ / @ / @ / @ | 1,024, 128 |",
+            233.5, 2.48, 0.35, 2.37, 5.24)
+    printed("cppo.md", "| @ s | 0.595 → 0.980 → 0.985 → 0.995 → 0.995 | @ / @ / @ / @ | "
+            "1,024, 1,024 |", 863.1, 2.33, 0.36, 18.28, 21.01)
+    printed("cppo.md", "+@ points, 0.595 → 0.985", (0.985 - 0.595) * 100)
+    printed("cppo.md", "cuts the training phase from @ s to @ s per step (@×) and the whole step "
+            "from @ s to @ s (@×;", 18.28, 2.37, 18.28 / 2.37, 21.01, 5.24, 21.01 / 5.24)
+    printed("cppo.md", "from @ s to @ s (@×), for a final accuracy", 863.1, 233.5, 863.1 / 233.5)
+    printed("cppo.md", "so it generates and scores @× as many completions (rollout @ s vs @ s",
+            1024 / 256, 2.48, 0.65)
+    printed("cppo.md", "so the estimate overstated by @–@% there",
+            (20.2 / 17.8 - 1) * 100, (20.2 / 17.0 - 1) * 100)
+    assert (18.7 / 18.3 - 1) * 100 < 3
+    printed("cppo.md", "its mean, 18.7 s, is within @% of the P = 0 run's measured mean of @ s",
+            3, 18.28)
+    # mean saving = mean estimate - mean train_s: 18.7 and 2.37 as printed allow 16.28-16.38
+    lowest, highest = 18.65 - 2.375, 18.75 - 2.365
+    assert lowest <= 16.4 + 0.05 and 16.4 - 0.05 <= highest
+    printed("cppo.md", "The logged saving averaged @ s per step.", 16.4)
+
+
+def test_cppo_test_section_counts():
+    """cppo.md §12: the CLI test's B = 2, G = 8, P = 0.75."""
+    k = round(8 * (1 - 0.75))
+    Q = math.ceil(2 * 8 / k)
+    printed("cppo.md", "(B = 2, G = 8, P = 0.75: @ questions, @ of @ rows kept)", Q, Q * k, Q * 8)
+
+
+# ------------------------------------------------------------------------------------ dppo.md
+
+
+def test_dppo_stop_when_full_bias():
+    """dppo.md §4: B = 1, pi = 1/2, equal terms y: E[y / (pi K)] over a geometric K."""
+    pi = 0.5
+    series = sum((1 - pi) ** (k - 1) * pi / k for k in range(1, 200)) / pi
+    closed = -math.log(pi) / (1 - pi)
+    assert math.isclose(series, closed, rel_tol=1e-12)
+    printed("dppo.md", "= y·(−ln π)/(1 − π) = @·y, not y", closed)
+
+
+def test_dppo_lookahead_and_weights():
+    """dppo.md §3, §4, §10, §12 and §15: lookahead, weight bounds, the toy's epochs."""
+    floor = 0.1
+    assert 2 * max(floor, 1 - 0.5) == 1 and 4 * max(floor, 1 - 0.75) == 1
+    printed("dppo.md", "(2 by default: with r_q = 0.5 and every prompt tied, 2B prompts have Σ π = B)")
+    printed("dppo.md", "4 would cover r_q = 0.75")
+    printed("dppo.md", "(1/floor² combined: @ at the default @)", 1 / floor ** 2, floor)
+    printed("dppo.md", "gets 1/floor = @ (`weight_max` in the logs)", 1 / floor)
+    assert 40 * 32 < 1920
+    printed("dppo.md", "(@ × @ prompts of @) never sees a prompt twice", 40, 32, 1920)
+    printed("dppo.md", "(steps @–80 revisit prompts", 1920 // 32 + 1)
+    printed("dppo.md", "@ (20 once: 1/(@ · @)) |", 9.1, 0.5, floor)
+    assert math.isclose(1 / (0.5 * floor), 20)
+    printed("dppo.md", "covered @ prompts of the stream, @× as much data per rollout",
+            45.2, 45.2 / 32)
+    printed("dppo.md", "| 61–80 (second epoch) | @ | @ |", 45.2, 0.71)
+    assert 32 / 45.2 - 0.005 <= 0.71 <= 33 / 45.2  # B or B + 1 kept of 45.2 examined
+
+
+def test_dppo_completion_keep_probabilities():
+    """dppo.md §6: |A| = (2, 1, 0, 0), r_o = 0.5, floor 0.1, solved by bisection on c."""
+    a, r_o, floor = np.array([2.0, 1.0, 0.0, 0.0]), 0.5, 0.1
+    target, nonzero = (1 - r_o) * len(a), a != 0
+    low = max(floor, min(1.0, (target - nonzero.sum()) / (~nonzero).sum()))
+
+    def probs(c):
+        return np.where(nonzero, np.clip(c * a, low, 1.0), low)
+
+    lo, hi = 0.0, 1e6
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if probs(mid).sum() < target else (lo, mid)
+    c = (lo + hi) / 2
+    printed("dppo.md", "floor 0.1 → target @ = min(2c, 1) + c + 0.2 → c = @, π = (@, @, @, @)",
+            target, c, *probs(c))
+
+
+def test_dppo_window_packer():
+    """dppo.md §11: lengths (6, 6, 4, 4), budget 10, window 4 and window 1."""
+
+    def window_pack(lengths, budget, window):
+        rest, batches = list(range(len(lengths))), []
+        while rest:
+            batch, load = [], 0
+            while True:
+                fits = [i for i in rest[:window] if load + lengths[i] <= budget]
+                if not fits:
+                    break
+                i = max(fits, key=lambda j: (lengths[j], -j))
+                batch.append(i)
+                rest.remove(i)
+                load += lengths[i]
+            batches.append(batch or [rest.pop(0)])
+        return batches
+
+    lengths, budget = (6, 6, 4, 4), 10
+
+    def show(batches):
+        return " | ".join("+".join(str(lengths[i]) for i in b) for b in batches)
+
+    def capacity(batches):
+        return sum(max(budget, sum(lengths[i] for i in b)) for b in batches)
+
+    w4, w1 = window_pack(lengths, budget, 4), window_pack(lengths, budget, 1)
+    printed("dppo.md", f"window 4 gives {show(w4)} (density @), window 1 gives {show(w1)} "
+            "(density @/@)", sum(lengths) / capacity(w4), sum(lengths), capacity(w1))
+
+
+# ------------------------------------------------------------------------------------ mmr_grpo.md
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def mmr(rewards, sim, floor=True):
+    """Greedy MMR of one group (docs/mmr_grpo.md#eq-mmr): seed = first argmax, lambda =
+    sigmoid(population std), ties to the lowest index. Returns (lambda, r~, pick order)."""
+    r = [float(x) for x in rewards]
+    lam = sigmoid(float(np.std(r)))
+    seed = max(range(len(r)), key=lambda i: (r[i], -i))
+    new, picked = {seed: r[seed]}, [seed]
+    while len(picked) < len(r):
+        scores = {}
+        for i in set(range(len(r))) - set(picked):
+            b = max(sim[i][j] for j in picked)
+            scores[i] = lam * r[i] - (1 - lam) * (max(0.0, b) if floor else b)
+        i = max(scores, key=lambda j: (scores[j], -j))
+        new[i] = scores[i]
+        picked.append(i)
+    return lam, [new[i] for i in range(len(r))], picked
+
+
+def constructed_similarity():
+    """mmr_grpo.md §6: 0, 1, 2, 4, 5 are paraphrases (cosine 0.9), 3 is different (0.5)."""
+    return [[1.0 if i == j else 0.5 if 3 in (i, j) else 0.9 for j in range(6)] for i in range(6)]
+
+
+def test_mmr_lambda_bound():
+    """mmr_grpo.md §2 and §10: with 0/1 rewards sigma_r <= 1/2, so lambda <= sigmoid(1/2)."""
+    lam = sigmoid(0.5)
+    assert max(sigmoid(math.sqrt(p * (1 - p))) for p in np.linspace(0, 1, 1001)) <= lam + 1e-12
+    printed("mmr_grpo.md", "so λ ≤ sigmoid(1/2) = @ (reached at p = 1/2) and the diversity weight "
+            "1 − λ is always ≥ @", lam, 1 - lam)
+    printed("mmr_grpo.md", "Consequences: λ ≤ @ ([§2](#eq-lambda))", lam)
+
+
+def test_mmr_worked_table():
+    """mmr_grpo.md §6: the three rows of the table and the hand computations below it."""
+    s = constructed_similarity()
+    rows = {"[1,1,1,1,1,1]": [1] * 6, "[0,0,0,0,0,0]": [0] * 6,
+            "[1,1,1,0,0,0]": [1, 1, 1, 0, 0, 0]}
+    for label, r in rows.items():
+        lam, new, _ = mmr(r, s)
+        plain = advantages(r)
+        last = [] if not plain.any() else [plain[0]]
+        printed("mmr_grpo.md", f"| {label} | @ | [@, @, @, @, @, @] | [@, @, @, @, @, @] | "
+                f"{'all 0' if not last else '@'} |", lam, *new, *advantages(new), *last)
+    _, new, _ = mmr([1] * 6, s)
+    mean, std = float(np.mean(new)), float(np.std(new, ddof=1))
+    printed("mmr_grpo.md", "The mean is @/6 = @, the unbiased std @, so A₀ = (1 − @)/(@ + 1e-4) = @.",
+            sum(new), mean, std, mean, std, (1 - mean) / (std + 1e-4))
+    printed("mmr_grpo.md", "distinct completion 3 scores 0.5·1 − 0.5·0.5 = @ and each paraphrase "
+            "0.5·1 − 0.5·0.9 = @", 0.5 - 0.25, 0.5 - 0.45)
+    lam, new, order = mmr([1, 1, 1, 0, 0, 0], s)
+    printed("mmr_grpo.md", "The third row: σ_r = @, λ = sigmoid(@) = @, 1 − λ = @.",
+            0.5, 0.5, lam, 1 - lam)
+    printed("mmr_grpo.md", "Right paraphrases 1 and 2 score @ − @·0.9 = @, the wrong distinct 3 "
+            "scores −@·0.5 = @, the wrong paraphrases −@·0.9 = @;",
+            lam, 1 - lam, new[1], 1 - lam, new[3], 1 - lam, new[4])
+    assert order == [0, 1, 2, 3, 4, 5]
+    printed("mmr_grpo.md", "the picks come in the order 1, 2, 3, 4, 5 and keep those scores")
+    printed("mmr_grpo.md", "the seed receives a large positive advantage (@ in the worked example)",
+            advantages(mmr([0] * 6, s)[1])[0])
+    printed("mmr_grpo.md", "(@ vs 1 for a paraphrase in the worked example)", new[1])
+
+
+def test_mmr_floor_and_ties():
+    """mmr_grpo.md §3 and §6: r = [1, 1, 0], S01 = 1, S02 = S12 = -0.8 with and without the floor;
+    the tie case (lambda = 1/2, candidates at -0.1 with similarity 0.8 to each other)."""
+    s = [[1.0, 1.0, -0.8], [1.0, 1.0, -0.8], [-0.8, -0.8, 1.0]]
+    lam, with_floor, _ = mmr([1, 1, 0], s, floor=True)
+    _, without, order = mmr([1, 1, 0], s, floor=False)
+    assert math.isclose(float(np.std([1, 1, 0])), math.sqrt(2) / 3) and order == [0, 2, 1]
+    printed("mmr_grpo.md", "λ = sigmoid(√2/3) = @. With the floor r̃ = [1, 2λ − 1, 0] = [@, @, @]; "
+            "without it the wrong answer is picked before the duplicate, "
+            "r̃ = [@, @, 0.8(1 − λ) = @]", lam, *with_floor, *without)
+    printed("mmr_grpo.md", "without the floor: r̃ = @ vs @.", without[2], without[1])
+    assert 1 - lam > 2 * lam - 1  # lambda < 2/3
+    printed("mmr_grpo.md", "the lower index is picked first and keeps @, while the other is then "
+            "charged its @ similarity to it (r̃ = @)", -0.5 * 0.2, 0.8, -0.5 * 0.8)
+
+
+def test_mmr_batch_sizes_and_toy_arithmetic():
+    """mmr_grpo.md §9-§11: batch sizes, the toy's gain, MMR's share of a step."""
+    printed("mmr_grpo.md", "| prompts per step | @ (@ completions) | @ (@ completions) |",
+            32, 32 * 8, 8, 8 * 6)
+    printed("mmr_grpo.md", "would rank @ completions of 3 prompts together", 3 * 6)
+    printed("mmr_grpo.md", "+@ points. The run is deterministic", (0.990 - 0.595) * 100)
+    printed("mmr_grpo.md", "**0.088–0.170 (@)** | 1.22–2.05 (1.33) | 1.73–2.94 (@) |", 0.099, 1.96)
+    printed("mmr_grpo.md", "so **MMR costs ≈ @% of a toy step**", 100 * 0.099 / 1.96)
