@@ -949,7 +949,7 @@ def check_args(args):
     numbers = {"--grad_clip": args.grad_clip, "--weight_decay": args.weight_decay, "--adv_eps": args.adv_eps,
                "--warmup_steps": args.warmup_steps}
     for flag, value in numbers.items():
-        if value < 0:
+        if value is not None and value < 0:  # None: resolved later (cppo.py's warm-up)
             die(f"{flag} must be >= 0 (got {value})")
     if args.eps_low >= 1:
         die(f"--eps_low must be < 1: the ratio is clipped below at 1 - eps_low (got {args.eps_low})")
