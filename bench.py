@@ -154,8 +154,9 @@ def bench_step(args, device):
     kw = dict(temperature=1.0, vocab_size=vocab, eps_low=0.2, eps_high=0.2, beta=0.0)
     peak = bf16_peak_tflops(device) if device.type == "cuda" else None
     about = (f"{args.shape} shape ({n_params / 1e6:.1f}M parameters, random weights, fp32 master weights"
-             f"{', bf16 autocast' if device.type == 'cuda' else ''}), one update over {args.sequences} sequences, packed "
-             f"attention {attention_kernel(args.attn, device)}, median of {args.repeats} timed updates after one warm-up"
+             f"{', bf16 autocast' if device.type == 'cuda' else ''}), one update over {args.sequences} "
+             f"sequences, packed attention {attention_kernel(args.attn, device)}, median of {args.repeats} "
+             "timed updates after one warm-up"
              + (f"; measured bf16 matmul peak {peak:.0f} TFLOP/s" if peak else ""))
     layouts = [("padded", padded_update, args.attn), ("packed", policy_update, args.attn)]
     layouts += [("packed, dense mask", policy_update, "sdpa")] if args.dense and args.attn == "varlen" else []
@@ -194,7 +195,8 @@ def bench_step(args, device):
     model.set_attn_implementation(args.attn)
     padded = {(r["lengths"], r["budget"]): r["seconds"] for r in rows if r["layout"] == "padded"}
     for r in rows:
-        r["vs_padded"] = padded[r["lengths"], r["budget"]] / r["seconds"] if (r["lengths"], r["budget"]) in padded else None
+        baseline = padded.get((r["lengths"], r["budget"]))
+        r["vs_padded"] = baseline / r["seconds"] if baseline else None
     return about, rows
 
 
@@ -207,9 +209,10 @@ def step_table(rows):
            "bound: padded / packed tokens, scores | peak GiB | MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         bound = f"{r['bound_tokens']:.2f}x, {r['bound_scores']:.2f}x" if r["bound_tokens"] else "-"
-        out.append(f"| {r['lengths']} ({r['tokens']:,} tokens) | {r['layout']} | {r['budget']} | {r['micro_batches']} | "
-                   f"{r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | {fmt(r['vs_padded'], '.2f', 'x')} | {bound} | "
-                   f"{fmt(r['memory'], '.1f')} | {fmt(r['mfu'], '.1%')} |")
+        out.append(f"| {r['lengths']} ({r['tokens']:,} tokens) | {r['layout']} | {r['budget']} | "
+                   f"{r['micro_batches']} | {r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | "
+                   f"{fmt(r['vs_padded'], '.2f', 'x')} | {bound} | {fmt(r['memory'], '.1f')} | "
+                   f"{fmt(r['mfu'], '.1%')} |")
     return out
 
 
@@ -571,9 +574,10 @@ def main():
             figures["step.png"] = plot_step(plt, rows)
             lines += ["## 1. The training update: packed vs padded", "", f"{about}.", "", *table, "",
                       "![tokens/s per layout and budget](results/step.png)", "",
-                      "All layouts compute the same gradient (tests/test_bench.py, tests/test_packing.py). *padded* fits "
-                      "as many right-padded sequences per micro-batch as the budget allows at the batch's longest length "
-                      "(in rollout order); *packed* is common.pack_microbatches (first-fit decreasing, no padding) with "
+                      "All layouts compute the same gradient (tests/test_bench.py, tests/test_packing.py). "
+                      "*padded* fits as many right-padded sequences per micro-batch as the budget allows at the "
+                      "batch's longest length (in rollout order); *packed* is common.pack_microbatches "
+                      "(first-fit decreasing, no padding) with "
                       "the attention named above; *packed, dense mask* (`--dense`) is the same packing under "
                       "transformers' sdpa, which builds the block-diagonal [T, T] mask. The bound is what packing can "
                       "save at most on that batch: the padded layout's computed tokens (and attention scores, the sum "

@@ -276,9 +276,9 @@ _SENTENCE_END = re.compile(r"\.(?:\s|$)|\s+I hope|\*\*")
 
 
 def anchored_answer(text):
-    """The phrase after the last 'final answer is', 'answer is' or 'answer:' (math-verify's anchors, docs/grpo.md#reward)
-    up to the end of its sentence, without $...$ and trailing punctuation: 'The final answer is $18$. I hope it is
-    correct' gives '18'. None without an anchor."""
+    """The phrase after the last 'final answer is', 'answer is' or 'answer:' (math-verify's anchors,
+    docs/grpo.md#reward) up to the end of its sentence, without $...$ and trailing punctuation: 'The final
+    answer is $18$. I hope it is correct' gives '18'. None without an anchor."""
     found = list(_ANCHOR.finditer(text))
     if not found:
         return None
@@ -957,7 +957,8 @@ def check_args(args):
         die(f"--tis_cap caps pi_trainer / pi_engine per token: use 0 (off) or a cap >= 1 (got {args.tis_cap})")
     if not 0 < args.vllm_gpu_memory <= 1:
         die(f"--vllm_gpu_memory is a fraction of GPU memory in (0, 1] (got {args.vllm_gpu_memory})")
-    rollouts = (args.prompts_per_step or 1) * args.group_size * (args.resample_cap if getattr(args, "resample", 0) else 1)
+    rounds = args.resample_cap if getattr(args, "resample", False) else 1  # two_grpo.py's resampling
+    rollouts = (args.prompts_per_step or 1) * args.group_size * rounds
     if rollouts >= 2 ** SEED_BITS[2]:
         die(f"at most {2 ** SEED_BITS[2] - 1} rollouts per step (got {rollouts}; see common.rollout_seed)")
     installed = vllm_version()

@@ -101,6 +101,13 @@ def test_training_on_mixed_pairs_only_gives_the_same_update(tiny, loss_agg):
     (8, 0, 8, 64, 8, 56),    # none mixed: the rate floor 1/8 (64 would pass the cap: 56 left)
     (3, 5, 60, 64, 8, 4),    # near the cap
 ])
+def test_default_lr_is_the_papers_linear_rule_except_on_the_toy():
+    from two_grpo import default_lr
+    assert default_lr(1e-6, 256, "math") == pytest.approx(8e-6)  # the paper: 16-GRPO's 1e-6 at 32 prompts -> 8e-6
+    assert default_lr(1e-6, 64, "data.jsonl") == pytest.approx(2e-6)
+    assert default_lr(3e-4, 128, "toy") == 3e-4  # linear scaling (1.2e-3) is unstable on the toy
+
+
 def test_resample_draw_sizes(missing, mixed, drawn, cap, factor, want):
     assert prompts_to_draw(missing, mixed, drawn, cap, factor) == want
 
@@ -110,8 +117,8 @@ def test_two_grpo_toy_run_defaults_and_resume(tmp_path):
     result = run(SMALL + ["--steps", "2", "--eval_every", "0", "--out", out], script="two_grpo.py")
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.load(open(os.path.join(out, "config.json")))["args"]
-    # the toy's GRPO rate 3e-4 scaled by 8 / 32 prompts; G = 2, population std, no eps, clip-higher, no KL
-    assert config["lr"] == pytest.approx(3e-4 * 8 / 32) and config["group_size"] == 2
+    # the toy's GRPO rate, unscaled (docs/two_grpo.md#toy); G = 2, population std, no eps, clip-higher, no KL
+    assert config["lr"] == pytest.approx(3e-4) and config["group_size"] == 2
     assert (config["std_mode"], config["adv_eps"], config["eps_high"], config["beta"]) == ("population", 0.0, 0.28, 0.0)
     logged = rows(out)
     for r in logged[1:]:
@@ -134,7 +141,7 @@ def test_two_grpo_resample_trains_mixed_pairs_only(tmp_path):
         assert 8 <= drawn <= 24 and r["rollouts"] == 2 * drawn
         assert r["trained_rollouts"] == max(2 * min(8, drawn - tied), 1)
         assert drawn == 24 or drawn - tied >= 8  # stops when B pairs are mixed, or at the cap
-    assert json.load(open(os.path.join(out, "config.json")))["args"]["lr"] == pytest.approx(3e-4 * 8 / 32)
+    assert json.load(open(os.path.join(out, "config.json")))["args"]["lr"] == pytest.approx(3e-4)
     given = run(SMALL + ["--steps", "1", "--eval_every", "0", "--lr", "1e-4", "--out", str(tmp_path / "lr")],
                 script="two_grpo.py")
     assert given.returncode == 0 and json.load(open(tmp_path / "lr" / "config.json"))["args"]["lr"] == 1e-4
