@@ -119,9 +119,11 @@ def test_two_grpo_batch_and_learning_rate():
     printed("two_grpo.md", "keep @ rollouts per mini-batch, as @ × 2 instead of @ × 16", 512, 256, 32)
     printed("two_grpo.md", "| rollouts per step | @ × 2 = @ (16-GRPO: @ × 16) | @ × 2 | "
             "@ × 2 = @ (`grpo.py` toy: @ × 8) |", 256, 512, 32, 256, 128, 256, 32)
-    printed("two_grpo.md", "| GRPO recipe 1e-6 × 256/32 = @ | toy GRPO rate 3e-4 × 128/32 = @ |",
-            1e-6 * 256 / 32, 3e-4 * 128 / 32)
-    printed("two_grpo.md", "(`--prompts_per_step 64` gets @×)", 64 // 32)
+    printed("two_grpo.md", "| GRPO recipe 1e-6 × 256/32 = @ | toy GRPO rate 3e-4, unscaled (§9) |", 1e-6 * 256 / 32)
+    printed("two_grpo.md", "On the toy the rule gives @, which learns fast", 3e-4 * 128 / 32)
+    printed("two_grpo.md", "| @ | the paper's linear scaling (×@) |", 3e-4 * 128 / 32, 128 // 32)
+    printed("two_grpo.md", "| @ | square-root scaling (×@) |", 3e-4 * (128 / 32) ** 0.5, int((128 / 32) ** 0.5))
+    printed("two_grpo.md", "(`--prompts_per_step 64` gets @×;", 64 // 32)
 
 
 def test_two_grpo_resample_cap_and_toy_arithmetic():
