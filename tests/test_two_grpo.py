@@ -94,13 +94,6 @@ def test_training_on_mixed_pairs_only_gives_the_same_update(tiny, loss_agg):
     assert rows_to_train(samples, loss_agg, None, 6, skip_tied=False)[0] == list(range(6))
 
 
-@pytest.mark.parametrize("missing,mixed,drawn,cap,factor,want", [
-    (8, 0, 0, 64, 8, 8),     # first round: the batch itself
-    (6, 2, 8, 64, 8, 24),    # 2 of 8 mixed: 6 more need 24 prompts at that rate
-    (7, 1, 8, 64, 8, 56),    # 1 of 8 mixed: 1/8 rate -> 56
-    (8, 0, 8, 64, 8, 56),    # none mixed: the rate floor 1/8 (64 would pass the cap: 56 left)
-    (3, 5, 60, 64, 8, 4),    # near the cap
-])
 def test_default_lr_is_the_papers_linear_rule_except_on_the_toy():
     from two_grpo import default_lr
     assert default_lr(1e-6, 256, "math") == pytest.approx(8e-6)  # the paper: 16-GRPO's 1e-6 at 32 prompts -> 8e-6
@@ -108,6 +101,13 @@ def test_default_lr_is_the_papers_linear_rule_except_on_the_toy():
     assert default_lr(3e-4, 128, "toy") == 3e-4  # linear scaling (1.2e-3) is unstable on the toy
 
 
+@pytest.mark.parametrize("missing,mixed,drawn,cap,factor,want", [
+    (8, 0, 0, 64, 8, 8),     # first round: the batch itself
+    (6, 2, 8, 64, 8, 24),    # 2 of 8 mixed: 6 more need 24 prompts at that rate
+    (7, 1, 8, 64, 8, 56),    # 1 of 8 mixed: 1/8 rate -> 56
+    (8, 0, 8, 64, 8, 56),    # none mixed: the rate floor 1/8 (64 would pass the cap: 56 left)
+    (3, 5, 60, 64, 8, 4),    # near the cap
+])
 def test_resample_draw_sizes(missing, mixed, drawn, cap, factor, want):
     assert prompts_to_draw(missing, mixed, drawn, cap, factor) == want
 
