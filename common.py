@@ -174,6 +174,8 @@ def hub_offline(timeout=3.0):
     run before huggingface_hub is imported, which reads the variable once: check_model runs first in every script."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", ""):
         return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # behind a proxy a direct connection says nothing: leave it to huggingface_hub
     url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()

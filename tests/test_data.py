@@ -117,3 +117,26 @@ def test_toy_data_is_reproduced_by_the_build_script(tmp_path):
     write_jsonl(tmp_path / "test.jsonl", test)
     for name in ("train.jsonl", "test.jsonl"):
         assert open(tmp_path / name).read() == open(os.path.join(REPO, "toy", "data", name)).read()
+
+
+def test_hub_offline_probe(monkeypatch):
+    """Unreachable hub -> HF_HUB_OFFLINE=1 for the process (caches only, no retries); set by the user -> trusted;
+    behind a proxy -> no verdict from a direct connection."""
+    import socket
+    import common
+
+    def refuse(*args, **kwargs):
+        raise OSError("no route")
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    common.hub_offline.cache_clear()
+    assert common.hub_offline() is True and os.environ["HF_HUB_OFFLINE"] == "1"
+    common.hub_offline.cache_clear()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    assert common.hub_offline() is False
+    common.hub_offline.cache_clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert common.hub_offline() is True
+    common.hub_offline.cache_clear()
