@@ -273,8 +273,10 @@ def time_limit(seconds):
         signal.signal(signal.SIGALRM, previous)
 
 
-_ANCHOR = re.compile(r"\b(?:final answer|answer)\s*(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*:?\s*(?:\*\*)?", re.I)
-_SENTENCE_END = re.compile(r"\.(?:\s|$)|\s+I hope|\*\*")
+# one \s* before the anchor's verb, and \sI hope: adjacent \s* or \s+ could backtrack quadratically on a long run of
+# whitespace, and extraction runs before the reward's time limit
+_ANCHOR = re.compile(r"\b(?:final answer|answer)\s*(?:\*\*\s*)?(?:is\b|:)\s*(?:\*\*\s*)?:?\s*(?:\*\*)?", re.I)
+_SENTENCE_END = re.compile(r"\.(?:\s|$)|\sI hope|\*\*")
 
 
 def anchored_answer(text):
@@ -541,12 +543,21 @@ def varlen_kernel(device_type):
     causal GQA call through it runs here; otherwise (and on CPU) batched sdpa over length buckets."""
     if device_type == "cuda":
         for name in ("torch-varlen", "flash-attn-varlen"):
-            with contextlib.suppress(Exception):
-                q = torch.randn(24, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                kv = torch.randn(24, 2, 64, device="cuda", dtype=torch.bfloat16)
-                cu = torch.tensor([0, 9, 24], dtype=torch.int32, device="cuda")
-                _cuda_varlen(name, q, kv, kv, cu, 15, 0.125).sum().backward()
-                return name
+            try:
+                with torch.enable_grad():  # the first caller may be under no_grad (sequence_logprobs)
+                    q = torch.randn(24, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    k, v = (torch.randn(24, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                    cu = torch.tensor([0, 9, 24], dtype=torch.int32, device="cuda")
+                    out = _cuda_varlen(name, q, k, v, cu, 15, 0.125)  # [24, 4, 64]
+                    out.float().sum().backward()
+                ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+                    *(x[a:b].transpose(0, 1).float() for x in (q, k, v)), is_causal=True, scale=0.125,
+                    enable_gqa=True).transpose(0, 1) for a, b in ((0, 9), (9, 24))])  # per sequence, fp32
+                if (out.float() - ref).abs().max().item() < 3e-2:
+                    return name
+                print(f"varlen attention: {name} disagrees with causal sdpa, not used", file=sys.stderr)
+            except Exception as e:  # not installed, or this torch's varlen_attn lacks window_size / enable_gqa
+                print(f"varlen attention: {name} unavailable ({type(e).__name__}: {str(e)[:120]})", file=sys.stderr)
     return "sdpa-buckets"
 
 
@@ -554,7 +565,7 @@ def _cuda_varlen(name, q, k, v, cu_seqlens, max_len, scale):
     """Causal attention per sequence on CUDA: q [T, Hq, d], k and v [T, Hkv, d] -> [T, Hq, d]. (Not executed here:
     no GPU was lent to this project's sessions; varlen_kernel() tries each before choosing it.)"""
     if name == "torch-varlen":
-        from torch.nn.attention.varlen import varlen_attn  # torch >= 2.11: window_size, enable_gqa, scale
+        from torch.nn.attention.varlen import varlen_attn  # with window_size and enable_gqa (torch 2.13 has both)
         return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, window_size=(-1, 0),
                            enable_gqa=k.shape[1] != q.shape[1])
     from flash_attn import flash_attn_varlen_func  # GQA natively
@@ -735,8 +746,11 @@ def policy_update(model, optimizer, samples, coefs, *, temperature, vocab_size, 
         stats["micro_batches"] += 1
         if engine_lp is not None:  # against the log-probs before this rollout's first update (mu > 1 moves logp)
             stats["mismatch"] += (old - engine_lp).abs().sum().item()
-    max_norm = grad_clip if grad_clip > 0 else float("inf")  # 0 = no clipping (the norm is still measured)
-    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
+    else:  # 0 = no clipping; the norm is still logged (clip_grad_norm_ with an infinite cap turns an inf norm to NaN)
+        stats["grad_norm"] = torch.nn.utils.get_total_norm(grads).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     tokens = max(stats["tokens"], 1)
@@ -951,8 +965,10 @@ def check_args(args):
     numbers = {"--grad_clip": args.grad_clip, "--weight_decay": args.weight_decay, "--adv_eps": args.adv_eps,
                "--warmup_steps": args.warmup_steps}
     for flag, value in numbers.items():
-        if value is not None and value < 0:  # None: resolved later (cppo.py's warm-up)
+        if value is not None and not value >= 0:  # None: resolved later (cppo.py's warm-up); NaN is refused
             die(f"{flag} must be >= 0 (got {value})")
+    if args.steps and args.steps >= 2 ** SEED_BITS[1]:
+        die(f"--steps must be below {2 ** SEED_BITS[1]} (got {args.steps}; see common.rollout_seed)")
     if args.eps_low >= 1:
         die(f"--eps_low must be < 1: the ratio is clipped below at 1 - eps_low (got {args.eps_low})")
     if 0 < args.tis_cap < 1:
@@ -1071,7 +1087,8 @@ def load_checkpoint(out, optimizer, scheduler):
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
     except Exception as e:
-        die(f"--resume {out!r}: {path} is not a checkpoint this code wrote ({type(e).__name__}: "
+        die(f"--resume {out!r}: {path} is not a checkpoint this code wrote, or one from before checkpoints became "
+            f"weights-only loadable (resume that one with the version that wrote it) ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200] if str(e) else ''})")
     return state
 

@@ -44,6 +44,8 @@ def bad_jsonl(tmp_path):
     (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (["--resume", "{tmp}/nothing"], "no checkpoint there"),
     (["--grad_clip=-1"], "--grad_clip must be >= 0"),
+    (["--grad_clip", "nan"], "--grad_clip must be >= 0"),
+    (["--steps", "2000000"], "--steps must be below 1048576"),
     (["--weight_decay=-0.1"], "--weight_decay must be >= 0"),
     (["--adv_eps=-1e-4"], "--adv_eps must be >= 0"),
     (["--warmup_steps=-5"], "--warmup_steps must be >= 0"),
@@ -117,7 +119,8 @@ def test_hf_rollout_fallback_runs(tmp_path):
 def test_hub_ids_fail_fast_without_network(tmp_path):
     """Offline (as here, and as HF_HUB_OFFLINE=1 says), a hub model or dataset is one line naming the way out,
     without the half minute of huggingface_hub's retries (the message is only written when hub_offline() said so)."""
-    env = {"HF_HUB_OFFLINE": "1"}
+    cache = tmp_path / "empty-hf-cache"  # nothing cached, whatever this machine's own cache holds
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(cache), "HF_DATASETS_CACHE": str(cache / "datasets")}
     for args, what in [(["--model", "Qwen/Qwen2.5-0.5B-Instruct"], "--model 'Qwen/Qwen2.5-0.5B-Instruct'"),
                        (["--dataset", "math500"], "could not load HuggingFaceH4/MATH-500")]:
         result = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), *args, "--out", str(tmp_path / "o")],
