@@ -746,10 +746,10 @@ def policy_update(model, optimizer, samples, coefs, *, temperature, vocab_size, 
         stats["micro_batches"] += 1
         if engine_lp is not None:  # against the log-probs before this rollout's first update (mu > 1 moves logp)
             stats["mismatch"] += (old - engine_lp).abs().sum().item()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
     if grad_clip > 0:
         stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
     else:  # 0 = no clipping; the norm is still logged (clip_grad_norm_ with an infinite cap turns an inf norm to NaN)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
         stats["grad_norm"] = torch.nn.utils.get_total_norm(grads).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -6,9 +6,7 @@ marks what the paper states and what is ours). What changes relative to grpo.py:
   * after scoring, on the full groups' advantages, completions are pruned: keep probability ~ |A| with a floor,
     an expected fraction r_o pruned (docs/dppo.md#eq-completion-keep);
   * a kept completion weighs 1/(pi_q pi_i) over the counts of the unpruned batch (Horvitz-Thompson), so the expected
-    gradient is the full-batch GRPO gradient (docs/dppo.md#eq-unbiased) with seq_mean (the default) or constant
-    aggregation; with token_mean and prompt pruning the token normaliser is itself estimated, a ratio estimator
-    with a small bias (docs/dppo.md#eq-token-mean);
+    gradient is full-batch GRPO's (docs/dppo.md#eq-unbiased; slightly biased with token_mean: #eq-token-mean);
   * a window-based greedy packer of the training sequences; its valid-token density is logged (docs/dppo.md#eq-density).
 
 Run:
@@ -31,10 +29,10 @@ from tqdm import tqdm
 from common import (DATASETS, REWARD_STATS, TEMPLATES, TOY_MODEL, Sample, arg, attention_kernel,
                     check_args, check_model, default_token_budget, die, evaluate, group_advantages,
                     load_checkpoint, load_dataset, load_model, load_tokenizer, log_row, make_engine,
-                    make_optimizer, math_reward, open_metrics, pack_microbatches, parse_args,
-                    policy_update, prompt_token_ids, rollout_seed, save_checkpoint,
-                    sequence_logprobs, setup_run, stop_token_ids, take_prompts, token_coefficients,
-                    write_config)
+                    make_optimizer, math_reward, open_metrics, parse_args, policy_update,
+                    prompt_token_ids, rollout_seed, save_checkpoint, sequence_logprobs, setup_run,
+                    stop_token_ids, take_prompts, token_coefficients, write_config)
+from common import pack_microbatches  # to log first-fit density beside the window packer's
 
 
 @dataclass
