@@ -1,139 +1,145 @@
-"""CPPO: Completion Pruning Policy Optimization (Lin et al. 2025, arXiv 2503.22342; code github.com/lzhxmu/CPPO).
+"""CPPO: Completion Pruning Policy Optimization (Lin et al. 2025, arXiv 2503.22342;
+official code github.com/lzhxmu/CPPO).
 
-GRPO (grpo.py) with two changes. A completion's policy gradient is proportional to its advantage A_i, which is
-known before any forward pass (docs/cppo.md#eq-gradient), so:
-  1. pruning: advantages are computed on the full group of G exactly as in GRPO, then only the completions with the
-     largest |A| are kept, k = G(1 - P) per question on average: either the int(N P) smallest |A| of the whole batch
-     are dropped (--prune_scope batch, the official code) or each group keeps its top k (question, the paper).
-     The old-policy and reference passes and the mu updates see the kept completions only: that is the saving;
-  2. dynamic allocation: each step samples B/(1 - P) questions instead of B, so the kept completions fill the same
-     B x G training slots as a GRPO step.
-The maths, the defaults and every deviation from the paper and the official code are in docs/cppo.md.
+GRPO (grpo.py) with two changes. A completion's policy gradient is proportional to its advantage
+A_i, which is known before any forward pass (docs/cppo.md#eq-gradient), so:
+  1. pruning: advantages are computed on the full group of G exactly as in GRPO, then only the
+     completions with the largest |A| are kept, k = G(1 - P) per question on average: either the
+     int(N P) smallest |A| of the whole batch are dropped (--prune_scope batch, the official code)
+     or each group keeps its top k (question, the paper). The old-policy and reference passes and
+     the mu updates see the kept completions only: that is the saving;
+  2. dynamic allocation: each step samples B/(1 - P) questions instead of B, so the kept
+     completions fill the same B x G training slots as a GRPO step.
+The maths, the defaults and every deviation from the paper and the official code: docs/cppo.md.
 
 Run:
     python cppo.py                                                     # the built-in toy, CPU, ~3 minutes
     python cppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset gsm8k  # one 80 GB GPU with vLLM installed
-    python cppo.py --pruning 0.5 --prune_scope question                # the paper's per-question top-k, k = 8
+    python cppo.py --pruning 0.5 --prune_scope question                # the paper's top-k, k = 8
     python cppo.py --resume runs/cppo-gsm8k-20261122-101500             # continue an interrupted run
 """
-import dataclasses
 import math
 import os
-import random
-import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tqdm import tqdm
+from transformers import set_seed
 
-from common import (DATASETS, REWARD_STATS, TEMPLATES, TOY_MODEL, Sample, arg, attention_kernel,
-                    check_args, check_model, default_token_budget, die, evaluate, group_advantages,
-                    load_checkpoint, load_dataset, load_model, load_tokenizer, log_row, make_engine,
-                    make_optimizer, math_reward, open_metrics, parse_args, policy_update,
-                    prompt_token_ids, rollout_seed, save_checkpoint, sequence_logprobs, setup_run,
-                    stop_token_ids, take_prompts, token_coefficients, write_config)
+from common import (TOY_MODEL, Sample, default_token_budget, evaluate, group_advantages, load_model,
+                    load_tokenizer, make_engine, make_optimizer, policy_update, rollout_seed, score,
+                    sequence_logprobs, stop_token_ids, token_coefficients)
+from plumbing import (DATASETS, TEMPLATES, PhaseTimer, arg, batch_metrics, check_model, die,
+                      load_checkpoint, load_dataset, log_row, open_metrics, parse_args, plot_metrics,
+                      prompt_token_ids, save_checkpoint, take_prompts, write_config)
+from varlen import attention_kernel
+
+METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
 
 
 @dataclass
 class Args:
     # what to train, where to write
-    model: str = arg(TOY_MODEL, "policy: a local Hugging Face model folder or a hub id", default_help="toy/model here")
-    dataset: str = arg("toy", f"{' | '.join(DATASETS)} | a .jsonl file | a folder with train.jsonl [+ test.jsonl]")
-    out: str = arg("", "output folder", default_help="runs/cppo-<dataset>-<time>")
+    model: str = arg(TOY_MODEL, "policy: a Hugging Face model folder or hub id", shown="toy/model")
+    dataset: str = arg("toy", f"{' | '.join(DATASETS)} | a .jsonl file | a folder with train.jsonl "
+                              "[+ test.jsonl]")
+    out: str = arg("", "output folder", shown=f"runs/{METHOD}-<dataset>-<time>")
     resume: str = arg("", "continue the run in this output folder from its last checkpoint")
     seed: int = arg(0, "seed for data order, sampling and initialisation")
     # rollout
-    rollout: str = arg("auto", "rollout engine: vllm, hf (transformers generate), auto = vllm if installed",
+    rollout: str = arg("auto", "engine: vllm, hf (transformers), auto (vllm if installed)",
                        choices=["auto", "vllm", "hf"])
-    prompts_per_step: int = arg(8, "B: the GRPO step whose B x G training slots the kept completions fill")
+    prompts_per_step: int = arg(8, "B: the GRPO step whose B x G training slots the kept "
+                                   "completions fill")
     group_size: int = arg(16, "G: completions sampled per prompt")
     temperature: float = arg(1.0, "sampling temperature (the trainer divides its logits by it too)")
-    max_tokens: int = arg(None, "maximum completion length in tokens", type=int)
+    max_tokens: int = arg(None, "maximum completion length in tokens")
     max_prompt_len: int = arg(512, "prompts longer than this many tokens are dropped")
-    template: str = arg(None, "prompt template (system prompt and answer format)", type=str, choices=list(TEMPLATES))
-    vllm_gpu_memory: float = arg(0.3, "fraction of GPU memory vLLM may hold while generating (weights + KV cache)")
+    template: str = arg(None, "prompt template (system prompt and answer format)",
+                        choices=list(TEMPLATES))
+    vllm_gpu_memory: float = arg(0.3, "GPU memory fraction vLLM holds (weights + KV cache)")
     # pruning and allocation: docs/cppo.md
-    pruning: float = arg(0.875, "P: fraction of the sampled completions pruned; B/(1-P) questions are sampled")
-    prune_scope: str = arg("batch", "batch: drop the smallest |A| of the whole batch (official code); question: "
-                           "keep the top k = G(1-P) |A| of each group (paper)", choices=["batch", "question"])
+    pruning: float = arg(0.875, "P: fraction of the sampled completions pruned; B/(1-P) questions "
+                                "are sampled")
+    prune_scope: str = arg("batch", "batch: drop the smallest |A| of the whole batch (official "
+                                    "code); question: keep the top k = G(1-P) |A| of each group "
+                                    "(paper)", choices=["batch", "question"])
     # objective: docs/grpo.md, docs/cppo.md#defaults
-    std_mode: str = arg("unbiased", "advantage std: unbiased (ddof 1), population (ddof 0), none (Dr. GRPO)",
-                        choices=["unbiased", "population", "none"])
+    std_mode: str = arg("unbiased", "advantage std: unbiased (ddof 1), population (ddof 0), none "
+                                    "(Dr. GRPO)", choices=["unbiased", "population", "none"])
     adv_eps: float = arg(1e-4, "epsilon added to the group std")
     eps_low: float = arg(0.2, "clip the ratio below at 1 - eps_low")
     eps_high: float = arg(0.2, "clip the ratio above at 1 + eps_high (0.28 = DAPO's clip-higher)")
-    beta: float = arg(0.04, "k3 KL coefficient to the frozen initial model (0 loads no reference model)")
+    beta: float = arg(0.04, "k3 KL coefficient to the frozen initial model (0 loads no reference)")
     mu: int = arg(2, "policy updates per rollout batch (> 1 adds an old-log-prob pass)")
-    loss_agg: str = arg("token_mean", "loss aggregation: seq_mean (GRPO), token_mean (DAPO), constant (Dr. GRPO)",
-                        choices=["seq_mean", "token_mean", "constant"])
-    tis_cap: float = arg(0.0, "truncated importance-sampling cap on pi_trainer/pi_engine per token (0 = off)")
+    loss_agg: str = arg("token_mean", "loss aggregation: seq_mean (GRPO), token_mean (DAPO), constant "
+                                    "(Dr. GRPO)", choices=["seq_mean", "token_mean", "constant"])
+    tis_cap: float = arg(0.0, "truncated IS cap on pi_trainer/pi_engine per token (0 = off)")
     # optimisation
-    steps: int = arg(None, "training steps (0 = one pass over the training prompts)", type=int)
-    lr: float = arg(None, "AdamW learning rate", type=float)
+    steps: int = arg(None, "training steps (0 = one pass over the training prompts)")
+    lr: float = arg(None, "AdamW learning rate")
     lr_schedule: str = arg("cosine", "after the warm-up: constant, or cosine decay to 10%",
                            choices=["constant", "cosine"])
-    warmup_steps: int = arg(None, "linear learning-rate warm-up, in optimiser steps", type=int,
-                            default_help="10% of the optimiser steps")
+    warmup_steps: int = arg(None, "linear learning-rate warm-up, in optimiser steps",
+                            shown="10% of the optimiser steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
-    grad_clip: float = arg(1.0, "clip the gradient norm to this")
-    token_budget: int = arg(None, "tokens per packed micro-batch (a longer sequence gets one to itself)", type=int,
-                            default_help="16384 on GPU, 4096 on CPU: the fastest measured here with --attn varlen "
-                                         "(512 on CPU with sdpa/eager, whose packed mask is dense [T, T])")
+    grad_clip: float = arg(1.0, "clip the gradient norm to this (0 = no clipping)")
+    token_budget: int = arg(None, "tokens per packed micro-batch (a longer sequence gets its own)",
+                            shown="16384 on GPU, 4096 on CPU: the fastest measured here with --attn "
+                                  "varlen (512 on CPU with sdpa/eager, whose mask is dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
-    grad_ckpt: bool = arg(None, "gradient checkpointing of the decoder layers", type=bool, default_help="on for GPU")
-    attn: str = arg("varlen", "attention: varlen runs each packed sequence on its own; sdpa and eager build a "
-                     "dense [T, T] block-diagonal mask (the reference paths)", choices=["varlen", "sdpa", "eager"])
+    grad_ckpt: bool = arg(None, "gradient checkpointing (true/false)", shown="on for GPU")
+    attn: str = arg("varlen", "attention: varlen runs each packed sequence on its own; sdpa and "
+                              "eager build a dense [T, T] block-diagonal mask (reference paths)",
+                    choices=["varlen", "sdpa", "eager"])
     # evaluation and checkpoints
-    eval_every: int = arg(None, "greedy held-out accuracy every N steps, plus start and end (0 = start and end)", type=int)
-    eval_n: int = arg(None, "held-out problems per evaluation", type=int)
+    eval_every: int = arg(None, "greedy held-out accuracy every N steps (0: start and end only)")
+    eval_n: int = arg(None, "held-out problems per evaluation")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it)")
 
 
 def kept_per_question(G, P):
-    """k = G(1 - P): completions kept per question (on average with the batch scope). docs/cppo.md#eq-allocation"""
+    """k = G(1 - P): completions kept per question (on average with the batch scope).
+    docs/cppo.md#eq-allocation"""
     if not 0 <= P < 1:
-        raise ValueError(f"--pruning must be in [0, 1) (got {P}): it is the fraction of completions pruned")
+        raise ValueError(f"--pruning must be in [0, 1) (got {P}): it is the fraction of "
+                         "completions pruned")
     k = G * (1 - P)
     if abs(k - round(k)) > 1e-6 or round(k) < 1:
-        raise ValueError(f"--pruning {P} with --group_size {G} keeps k = G(1-P) = {k:.4g} completions per question: "
-                         "k must be a whole number >= 1 (e.g. 0.875 for G 16 keeps 2)")
+        raise ValueError(f"--pruning {P} with --group_size {G} keeps k = G(1-P) = {k:.4g} "
+                         "completions per question: k must be a whole number >= 1 (e.g. 0.875 for "
+                         "G 16 keeps 2)")
     return round(k)
 
 
 def questions_to_sample(B, G, k):
-    """B/(1-P) = B G / k questions, rounded up, so the kept completions fill B x G slots. docs/cppo.md#eq-allocation"""
+    """B/(1-P) = B G / k questions, rounded up, so the kept completions fill B x G slots.
+    docs/cppo.md#eq-allocation"""
     return -(-B * G // k)
 
 
 def prune_per_question(adv, k):
-    """The paper's rule: flat indices (ascending) of the k largest-|A| completions of each group [Q, G]; among equal
-    |A| the lower index (the earlier sample) is kept. docs/cppo.md#eq-prune-question"""
+    """The paper's rule: flat indices (ascending) of the k largest-|A| completions of each group
+    [Q, G]; among equal |A| the lower index (the earlier sample) is kept.
+    docs/cppo.md#eq-prune-question"""
     Q, G = adv.shape
     top = torch.sort(adv.abs(), dim=1, descending=True, stable=True).indices[:, :k]  # [Q, k]
     return sorted((top + G * torch.arange(Q)[:, None]).flatten().tolist())
 
 
 def prune_batch(adv, P):
-    """The official code's rule: drop the int(N P) smallest |A| of all N = Q G completions of the step and return the
-    flat indices (ascending) of the rest; among equal |A| the lower flat index is kept. docs/cppo.md#eq-prune-batch"""
+    """The official code's rule: drop the int(N P) smallest |A| of all N = Q G completions of the
+    step and return the flat indices (ascending) of the rest; among equal |A| the lower flat index
+    is kept. docs/cppo.md#eq-prune-batch"""
     flat = adv.abs().flatten()  # [N]
-    n_keep = len(flat) - int(len(flat) * P + 1e-6)  # + 1e-6: 0.29 * 100 is 28.999999999999996 in floats
+    n_keep = len(flat) - int(len(flat) * P + 1e-6)  # + 1e-6: 0.29 * 100 is 28.999999999999996
     return sorted(torch.sort(flat, descending=True, stable=True).indices[:n_keep].tolist())
 
 
-def full_batch_time(t_kept, tokens_kept, tokens_all):
-    """What the training phase would have taken on every sampled row: the measured time on the kept rows scaled by
-    their token count (packed micro-batches make the cost about linear in tokens). docs/cppo.md#eq-time-saved"""
-    return t_kept * tokens_all / max(tokens_kept, 1)
-
-
 def main():
-    # ---------------------------------------------------------------- setup: every check before anything slow
-    args, given = parse_args(Args, description=__doc__)
-    args = setup_run(args, given, "cppo")
-    check_args(args)
+    # ---------------------------------------------------------------- setup: every check first
+    args, given = parse_args(Args, METHOD, __doc__)
     try:
         k = kept_per_question(args.group_size, args.pruning)
     except ValueError as e:
@@ -143,49 +149,59 @@ def main():
         train_rows, eval_rows = load_dataset(args.dataset, args.eval_n)
     except (ValueError, OSError) as e:
         die(str(e))
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+    set_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.grad_ckpt = device.type == "cuda" if args.grad_ckpt is None else args.grad_ckpt
     args.token_budget = args.token_budget or default_token_budget(device, args.attn)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     if tokenizer.chat_template is None:
-        die(f"--model {args.model!r} has no chat template: use an instruct model or add one to its tokenizer")
+        die(f"--model {args.model!r} has no chat template: use an instruct model or add one")
     train_rows = prompt_token_ids(tokenizer, train_rows, args.template, args.max_prompt_len)
     eval_rows = prompt_token_ids(tokenizer, eval_rows, args.template, args.max_prompt_len)
     if not train_rows or not eval_rows:
-        die(f"every {'training' if not train_rows else 'held-out'} prompt is longer than --max_prompt_len "
-            f"{args.max_prompt_len} tokens")
-    B, G, vocab_size = args.prompts_per_step, args.group_size, len(tokenizer)
-    Q = questions_to_sample(B, G, k)  # dynamic allocation: B/(1-P) questions, B x G kept completions
+        split = "training" if not train_rows else "held-out"
+        die(f"every {split} prompt is longer than --max_prompt_len {args.max_prompt_len} tokens")
+    B = args.prompts_per_step
+    G = args.group_size
+    Q = questions_to_sample(B, G, k)  # dynamic allocation: B/(1-P) questions, B x G kept rows
     steps = args.steps or math.ceil(len(train_rows) / Q)
-    args.warmup_steps = round(0.1 * steps * args.mu) if args.warmup_steps is None else args.warmup_steps
+    if args.warmup_steps is None:
+        args.warmup_steps = round(0.1 * steps * args.mu)
+    vocab_size = len(tokenizer)
     stop_ids = stop_token_ids(tokenizer, args.model)
 
-    # ---------------------------------------------------------------- models, rollout engine, optimiser
+    # ---------------------------------------------------------------- models, engine, optimiser
     policy_path = os.path.join(args.out, "checkpoint", "model") if args.resume else args.model
     model = load_model(policy_path, device, args.trust_remote_code, args.attn, args.grad_ckpt)
-    ref_model = load_model(args.model, device, args.trust_remote_code, args.attn, frozen=True) if args.beta > 0 else None
-    engine = make_engine(args.rollout, model, tokenizer, policy_path, dataclasses.replace(args, prompts_per_step=Q),
-                         vocab_size, stop_ids)  # the engine batches all Q x G rollouts
-    optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_steps, steps * args.mu,
-                                          args.lr_schedule)
-    start, cursor = 0, 0
+    ref_model = None
+    if args.beta > 0:
+        ref_model = load_model(args.model, device, args.trust_remote_code, args.attn, frozen=True)
+    engine = make_engine(args.rollout, model, tokenizer, policy_path, seed=args.seed,
+                         max_model_len=args.max_prompt_len + args.max_tokens, max_num_seqs=Q * G,
+                         vocab_size=vocab_size, stop_ids=stop_ids, gpu_memory=args.vllm_gpu_memory,
+                         trust_remote_code=args.trust_remote_code)
+    optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_steps,
+                                          steps * args.mu, args.lr_schedule)
+    state = {"step": 0, "cursor": 0}
     if args.resume:
         state = load_checkpoint(args.out, optimizer, scheduler)
-        start, cursor = state["step"], state["cursor"]
+    start = state["step"]
+    cursor = state["cursor"]
     attention = attention_kernel(args.attn, device)
-    write_config(args, {"method": "cppo", "steps": steps, "questions_per_step": Q, "kept_per_question": k,
-                        "engine": type(engine).__name__, "device": str(device),
-                        "attention": attention})
+    write_config(args.out, args, {"method": METHOD, "steps": steps, "engine": type(engine).__name__,
+                                  "device": str(device), "attention": attention,
+                                  "questions_per_step": Q, "kept_per_question": k,
+                                  "ideal_trained_fraction": k / G})  # = 1 - P of the rollouts
     metrics = open_metrics(args.out, start if args.resume else None)
-    print(f"cppo: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "
-          f"rollout {type(engine).__name__}, attention {attention}, {len(train_rows)} train / "
-          f"{len(eval_rows)} eval prompts, "
-          f"{steps} steps of {Q} x {G} sampled, {Q * k} kept ({args.prune_scope} scope), output {args.out}")
-    train_kw = dict(temperature=args.temperature, vocab_size=vocab_size, token_budget=args.token_budget,
-                    chunk=args.logprob_chunk)
+    n_params = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"{METHOD}: {n_params:.1f}M parameters on {device}, rollout {type(engine).__name__}, "
+          f"attention {attention}, {len(train_rows)} train / {len(eval_rows)} eval prompts, "
+          f"{steps} steps of {Q} x {G} sampled, {Q * k} kept ({args.prune_scope} scope), "
+          f"output {args.out}")
+    train_kw = dict(temperature=args.temperature, vocab_size=vocab_size,
+                    token_budget=args.token_budget, chunk=args.logprob_chunk)
     if start >= steps:
-        print(f"nothing to do: {args.out} already finished {start} of {steps} steps (raise --steps to go on)")
+        print(f"nothing to do: {args.out} already finished {start} of {steps} steps (see --steps)")
         return
     eval_acc = None
     if start == 0:
@@ -194,76 +210,89 @@ def main():
         print(f"step 0: eval accuracy {eval_acc:.3f}")
 
     # ---------------------------------------------------------------- training loop
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc="cppo", dynamic_ncols=True)
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc=METHOD, dynamic_ncols=True)
     for step in bar:
-        t0 = time.time()
+        timer = PhaseTimer()
         # 1. rollout: G completions for each of Q = B/(1-P) prompts  (docs/cppo.md#eq-allocation)
-        batch = [train_rows[i] for i in take_prompts(len(train_rows), cursor, Q, args.seed)]
-        cursor += Q
-        outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature, args.max_tokens,
-                                  seed=rollout_seed(args.seed, step))  # list of Q lists of G (ids, logps)
-        engine.sleep()
-        t_rollout = time.time() - t0
+        with timer("rollout"):
+            batch = [train_rows[i] for i in take_prompts(len(train_rows), cursor, Q, args.seed)]
+            cursor += Q
+            outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature,
+                                      args.max_tokens, seed=rollout_seed(args.seed, step))
+            engine.sleep()  # outputs: Q lists of G (token ids, log-probs)
 
-        # 2. reward, 3. advantages on the full group of G, not renormalised after pruning  (docs/grpo.md#eq-advantage)
-        REWARD_STATS.clear()
-        texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group], skip_special_tokens=True)
-        rewards = torch.tensor([math_reward(t, batch[j // G]["gold"]) for j, t in enumerate(texts)]).view(Q, G)
-        advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [Q, G]
-        samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(), advantages[q, i].item(), logps)
-                   for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]  # [Q * G]
+        # 2. reward, 3. advantages on the full group of G, not renormalised after pruning
+        #    (docs/grpo.md#eq-advantage)
+        with timer("reward"):
+            texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
+                                           skip_special_tokens=True)
+            rewards, reward_counts = score(texts, [batch[j // G]["gold"] for j in range(Q * G)])
+            rewards = torch.tensor(rewards).view(Q, G)  # [Q, G]
+            advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [Q, G]
+            samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(),
+                              advantages[q, i].item(), logps)
+                       for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]
 
-        # 3b. pruning: keep the largest |A|  (docs/cppo.md#eq-prune-batch, docs/cppo.md#eq-prune-question)
-        kept = prune_batch(advantages, args.pruning) if args.prune_scope == "batch" else \
-            prune_per_question(advantages, k)
-        kept_samples = [samples[i] for i in kept]  # [Q * k]; nothing below ever sees a pruned row
-        lengths = [len(s.completion_ids) for s in kept_samples]
-        coefs = token_coefficients(lengths, args.loss_agg, max_len=args.max_tokens)  # kept tokens: docs/cppo.md#eq-loss
-        t_reward = time.time() - t0 - t_rollout
+        # 3b. pruning: keep the largest |A|
+        with timer("prune"):
+            if args.prune_scope == "batch":
+                kept = prune_batch(advantages, args.pruning)  # docs/cppo.md#eq-prune-batch
+            else:
+                kept = prune_per_question(advantages, k)  # docs/cppo.md#eq-prune-question
+            kept_samples = [samples[i] for i in kept]  # [Q * k]; nothing below sees a pruned row
+            lengths = [len(s.completion_ids) for s in kept_samples]  # docs/cppo.md#eq-loss
+            coefs = token_coefficients(lengths, args.loss_agg, max_len=args.max_tokens)
 
-        # 4. old / reference log-probs, then mu clipped updates, on the kept rows only  (docs/grpo.md#eq-objective)
-        t1 = time.time()
-        old = sequence_logprobs(model, kept_samples, **train_kw) if args.mu > 1 else None  # mu = 1: logp.detach()
-        ref = sequence_logprobs(ref_model, kept_samples, **train_kw) if ref_model is not None else None
-        t_logp = time.time() - t1  # inside t_train
-        for _ in range(args.mu):
-            stats = policy_update(model, optimizer, kept_samples, coefs, old_logps=old, ref_logps=ref, beta=args.beta,
-                                  eps_low=args.eps_low, eps_high=args.eps_high, tis_cap=args.tis_cap,
-                                  grad_clip=args.grad_clip, **train_kw)
-            scheduler.step()
-        t_train = time.time() - t0 - t_rollout - t_reward
+        # 4. old / reference log-probs, then mu clipped updates, on the kept rows only
+        #    (docs/grpo.md#eq-objective)
+        with timer("logp"):
+            old = None  # on-policy (mu = 1): old = logp.detach()
+            if args.mu > 1:
+                old = sequence_logprobs(model, kept_samples, **train_kw)
+            ref = sequence_logprobs(ref_model, kept_samples, **train_kw) if ref_model else None
+        with timer("update"):
+            for _ in range(args.mu):
+                stats = policy_update(model, optimizer, kept_samples, coefs, old_logps=old,
+                                      ref_logps=ref, beta=args.beta, eps_low=args.eps_low,
+                                      eps_high=args.eps_high, tis_cap=args.tis_cap,
+                                      grad_clip=args.grad_clip, **train_kw)
+                scheduler.step()
 
         # 5. the engine samples the next step with the new weights
-        engine.push(model)
+        with timer("push"):
+            engine.push(model)
 
-        # ---------------------------------------------------------------- log, evaluate, checkpoint
+        # ---------------------------------------------------------------- log, evaluate, save
         done = step + 1
-        n_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)  # all sampled rows
         kept_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in kept_samples)
-        full_s = full_batch_time(t_train, kept_tokens, n_tokens)  # docs/cppo.md#eq-time-saved
-        row = {"step": done, "reward_mean": rewards.mean().item(), "reward_std": rewards.std(unbiased=False).item(),
-               **stats, "completion_len": sum(len(s.completion_ids) for s in samples) / len(samples),
-               "truncated": sum(s.completion_ids[-1:] != [] and s.completion_ids[-1] not in stop_ids
-                                for s in samples) / len(samples),
-               "zero_std_groups": (rewards == rewards[:, :1]).all(dim=1).float().mean().item(),
-               "lr": scheduler.get_last_lr()[0], "questions": Q, "kept_frac": len(kept) / len(samples),
-               "kept_token_frac": kept_tokens / n_tokens, "questions_emptied": Q - len({i // G for i in kept}),
-               "kept_zero_adv": sum(s.advantage == 0 for s in kept_samples) / len(kept_samples),
-               "train_s_full_est": full_s, "train_s_saved_est": full_s - t_train,
-               "verify_timeouts": REWARD_STATS["timeout"], "verify_errors": REWARD_STATS["error"],
-               "no_answer": REWARD_STATS["no_answer"], "rollouts": len(samples), "rollout_s": t_rollout,
-               "reward_s": t_reward, "train_s": t_train, "logp_s": t_logp, "step_s": time.time() - t0,
-               "tokens_per_s": n_tokens / (time.time() - t0)}
+        row = {
+            "step": done,
+            **batch_metrics(rewards, samples, stop_ids, reward_counts),
+            **stats,
+            "rollouts": len(samples),
+            "trained_rollouts": len(kept_samples),
+            "lr": scheduler.get_last_lr()[0],
+            "questions": Q,
+            "kept_frac": len(kept_samples) / len(samples),
+            "questions_emptied": Q - len({i // G for i in kept}),
+            "kept_zero_adv": sum(s.advantage == 0 for s in kept_samples) / len(kept_samples),
+            **timer.seconds(),
+        }
+        row["tokens_per_s"] = row["tokens"] / row["step_s"]  # "tokens": every sampled row's
+        row["kept_token_frac"] = kept_tokens / row["tokens"]  # docs/cppo.md#eq-time-saved
         if (args.eval_every and done % args.eval_every == 0) or done == steps:
             eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
             row["eval_accuracy"] = eval_acc
         log_row(metrics, row)
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc="-" if eval_acc is None else f"{eval_acc:.3f}",
+        acc = "-" if eval_acc is None else f"{eval_acc:.3f}"
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc,
                         tok_s=f"{row['tokens_per_s']:.0f}")
         if done % args.save_every == 0 or done == steps:
             save_checkpoint(args.out, model, tokenizer, optimizer, scheduler, done, cursor)
+            plot_metrics(args.out)
     bar.close()
-    print(f"done: eval accuracy {eval_acc:.3f} after {steps} steps; metrics and checkpoint in {args.out}")
+    print(f"done: eval accuracy {eval_acc:.3f} after {steps} steps; metrics, plot and checkpoint "
+          f"in {args.out}")
 
 
 if __name__ == "__main__":

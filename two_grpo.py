@@ -1,183 +1,198 @@
 """2-GRPO: "It Takes Two: Your GRPO Is Secretly DPO" (Wu et al. 2025, arXiv 2510.00977).
 
-What changes relative to grpo.py (the method is a configuration of the same loop, plus one optional step):
-  * G = 2 completions per prompt, and 8x the prompts per step, so a step trains on as many rollouts as 16-GRPO
-    (paper: 256 prompts x 2 vs 32 x 16) with the learning rate scaled by the same factor (linear scaling rule);
-  * advantages with the population std and no epsilon, so a mixed pair gets exactly +1 / -1 and a tied pair 0 / 0:
-    the loss is then the paper's contrastive pair loss (docs/two_grpo.md#eq-pair-loss);
+What changes relative to grpo.py (a configuration of the same loop, plus one optional step):
+  * G = 2 completions per prompt and 8x the prompts per step: a step trains on as many rollouts as
+    16-GRPO (paper: 256 prompts x 2 vs 32 x 16), the learning rate scaled by the same factor;
+  * advantages with the population std and no epsilon: a mixed pair gets exactly +1 / -1, a tied
+    pair 0 / 0, and the loss is the paper's contrastive pair loss (docs/two_grpo.md#eq-pair-loss);
   * DAPO's clip-higher (eps_high 0.28), no KL term, 10-step warm-up (the paper's verl settings);
-  * tied pairs carry no gradient, so they skip the trainer's forward and backward passes (same update, less work);
-  * --resample: 2-GRPO+RS (paper v3), tied pairs are replaced by pairs of fresh prompts (docs/two_grpo.md#resample).
-The derivation (why two rollouts keep GRPO's gradient unbiased, and why variance falls with more prompts) is in
-docs/two_grpo.md; the machinery is in common.py.
+  * tied pairs carry no gradient, so they skip the trainer's passes (same update, less work);
+  * --resample: 2-GRPO+RS (paper v3), tied pairs replaced by fresh ones (docs/two_grpo.md#resample).
+The derivation (why two rollouts keep GRPO's gradient unbiased, and why variance falls with more
+prompts) is in docs/two_grpo.md; the machinery is in common.py.
 
 Run:
-    python two_grpo.py                                                     # the built-in toy, CPU, ~2 minutes
-    python two_grpo.py --resample                                          # 2-GRPO+RS
-    python two_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset math   # one 80 GB GPU with vLLM installed
-    python two_grpo.py --resume runs/two_grpo-math-20261122-101500          # continue an interrupted run
+    python two_grpo.py                                                    # the built-in toy, CPU
+    python two_grpo.py --resample                                         # 2-GRPO+RS
+    python two_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset math  # one 80 GB GPU with vLLM
+    python two_grpo.py --resume runs/two_grpo-math-20261122-101500         # continue a run
 """
+import collections
 import math
 import os
-import random
-import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tqdm import tqdm
+from transformers import set_seed
 
-from common import (DATASETS, REWARD_STATS, TEMPLATES, TOY_MODEL, Sample, arg, attention_kernel,
-                    check_args, check_model, default_token_budget, die, evaluate, group_advantages,
-                    load_checkpoint, load_dataset, load_model, load_tokenizer, log_row, make_engine,
-                    make_optimizer, math_reward, open_metrics, parse_args, policy_update,
-                    prompt_token_ids, rollout_seed, save_checkpoint, sequence_logprobs, setup_run,
-                    stop_token_ids, take_prompts, token_coefficients, write_config)
+from common import (TOY_MODEL, Sample, default_token_budget, evaluate, group_advantages, load_model,
+                    load_tokenizer, make_engine, make_optimizer, policy_update, rollout_seed, score,
+                    sequence_logprobs, stop_token_ids, token_coefficients)
+from plumbing import (DATASETS, TEMPLATES, PhaseTimer, arg, batch_metrics, check_flags, check_model,
+                      die, load_checkpoint, load_dataset, log_row, open_metrics, parse_args,
+                      plot_metrics, prompt_token_ids, save_checkpoint, take_prompts, write_config)
+from varlen import attention_kernel
+
+METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
 
 
 @dataclass
 class Args:
     # what to train, where to write
-    model: str = arg(TOY_MODEL, "policy: a local Hugging Face model folder or a hub id", default_help="toy/model here")
-    dataset: str = arg("toy", f"{' | '.join(DATASETS)} | a .jsonl file | a folder with train.jsonl [+ test.jsonl]")
-    out: str = arg("", "output folder", default_help="runs/grpo-<dataset>-<time>")
+    model: str = arg(TOY_MODEL, "policy: a Hugging Face model folder or hub id", shown="toy/model")
+    dataset: str = arg("toy", f"{' | '.join(DATASETS)} | a .jsonl file | a folder with train.jsonl "
+                              "[+ test.jsonl]")
+    out: str = arg("", "output folder", shown=f"runs/{METHOD}-<dataset>-<time>")
     resume: str = arg("", "continue the run in this output folder from its last checkpoint")
     seed: int = arg(0, "seed for data order, sampling and initialisation")
     # rollout
-    rollout: str = arg("auto", "rollout engine: vllm, hf (transformers generate), auto = vllm if installed",
+    rollout: str = arg("auto", "engine: vllm, hf (transformers), auto (vllm if installed)",
                        choices=["auto", "vllm", "hf"])
-    prompts_per_step: int = arg(None, "B: prompts per step", type=int,
-                                default_help="256 (paper: 256 x 2 = 16-GRPO's 32 x 16); toy: 128 (= grpo.py's 32 x 8)")
-    group_size: int = arg(2, "G: completions per prompt (the method is G = 2)")
+    prompts_per_step: int = arg(None, "B: prompts per step",
+                                shown="256 (paper: 256 x 2 = 16-GRPO's 32 x 16); toy: 128 "
+                                      "(= grpo.py's 32 x 8)")
+    group_size: int = arg(2, "G: completions sampled per prompt (the method is G = 2)")
     temperature: float = arg(1.0, "sampling temperature (the trainer divides its logits by it too)")
-    max_tokens: int = arg(None, "maximum completion length in tokens", type=int)
+    max_tokens: int = arg(None, "maximum completion length in tokens")
     max_prompt_len: int = arg(512, "prompts longer than this many tokens are dropped")
-    template: str = arg(None, "prompt template (system prompt and answer format)", type=str, choices=list(TEMPLATES))
-    vllm_gpu_memory: float = arg(0.3, "fraction of GPU memory vLLM may hold while generating (weights + KV cache)")
-    # objective: docs/grpo.md
-    std_mode: str = arg("population", "advantage std: population (ddof 0: +-1 for a pair), unbiased (+-0.707), none",
-                        choices=["unbiased", "population", "none"])
+    template: str = arg(None, "prompt template (system prompt and answer format)",
+                        choices=list(TEMPLATES))
+    vllm_gpu_memory: float = arg(0.3, "GPU memory fraction vLLM holds (weights + KV cache)")
+    # objective: docs/grpo.md, docs/two_grpo.md
+    std_mode: str = arg("population", "advantage std: population (ddof 0: +-1 per pair), unbiased "
+                                      "(+-0.707), none", choices=["unbiased", "population", "none"])
     adv_eps: float = arg(0.0, "epsilon added to the group std (0: a mixed pair gets exactly +-1)")
     eps_low: float = arg(0.2, "clip the ratio below at 1 - eps_low")
-    eps_high: float = arg(0.28, "clip the ratio above at 1 + eps_high (0.28 = DAPO's clip-higher, as the paper)")
-    beta: float = arg(0.0, "k3 KL coefficient to the frozen initial model (0 = verl's default: no reference model)")
+    eps_high: float = arg(0.28, "clip the ratio above at 1 + eps_high (0.28 = DAPO's clip-higher, "
+                                "as the paper)")
+    beta: float = arg(0.0, "k3 KL coefficient to the frozen initial model (0 = verl's default: no "
+                           "reference model)")
     mu: int = arg(1, "policy updates per rollout batch (> 1 adds an old-log-prob pass)")
-    loss_agg: str = arg("seq_mean", "loss aggregation: seq_mean (the paper's Eq. 14), token_mean (verl), constant",
-                        choices=["seq_mean", "token_mean", "constant"])
-    skip_tied: bool = arg(True, "train only on mixed pairs when beta = 0 (tied pairs have zero gradient; same update)")
-    resample: bool = arg(False, "2-GRPO+RS: replace tied pairs with pairs of fresh prompts, up to --resample_cap")
-    resample_cap: int = arg(8, "with --resample, at most this many times B x G rollouts per step (8: 16-GRPO's)")
-    tis_cap: float = arg(0.0, "truncated importance-sampling cap on pi_trainer/pi_engine per token (0 = off)")
+    loss_agg: str = arg("seq_mean", "loss aggregation: seq_mean (paper Eq. 14), token_mean (verl), "
+                                    "constant", choices=["seq_mean", "token_mean", "constant"])
+    skip_tied: bool = arg(True, "train only on mixed pairs when beta = 0 (tied pairs have zero "
+                                "gradient; same update)")
+    resample: bool = arg(False, "2-GRPO+RS: replace tied pairs with pairs of fresh prompts, up to "
+                                "--resample_cap")
+    resample_cap: int = arg(8, "with --resample, at most this many times B x G rollouts per step "
+                               "(8: 16-GRPO's)")
+    tis_cap: float = arg(0.0, "truncated IS cap on pi_trainer/pi_engine per token (0 = off)")
     # optimisation
-    steps: int = arg(None, "training steps (0 = one pass over the training prompts)", type=int)
-    lr: float = arg(None, "AdamW learning rate", type=float,
-                    default_help="the dataset's GRPO rate x B / 32 (linear scaling): 8e-6 real; the toy keeps "
-                                 "GRPO's 3e-4 (docs/two_grpo.md#toy)")
+    steps: int = arg(None, "training steps (0 = one pass over the training prompts)")
+    lr: float = arg(None, "AdamW learning rate",
+                    shown="the dataset's GRPO rate x B / 32 (linear scaling): 8e-6 real; the toy "
+                          "keeps GRPO's 3e-4 (docs/two_grpo.md#toy)")
     lr_schedule: str = arg("constant", "after the warm-up: constant, or cosine decay to 10%",
                            choices=["constant", "cosine"])
     warmup_steps: int = arg(10, "linear learning-rate warm-up, in optimiser steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
-    grad_clip: float = arg(1.0, "clip the gradient norm to this")
-    token_budget: int = arg(None, "tokens per packed micro-batch (a longer sequence gets one to itself)", type=int,
-                            default_help="16384 on GPU, 4096 on CPU: the fastest measured here with --attn varlen "
-                                         "(512 on CPU with sdpa/eager, whose packed mask is dense [T, T])")
+    grad_clip: float = arg(1.0, "clip the gradient norm to this (0 = no clipping)")
+    token_budget: int = arg(None, "tokens per packed micro-batch (a longer sequence gets its own)",
+                            shown="16384 on GPU, 4096 on CPU: the fastest measured here with --attn "
+                                  "varlen (512 on CPU with sdpa/eager, whose mask is dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
-    grad_ckpt: bool = arg(None, "gradient checkpointing of the decoder layers", type=bool, default_help="on for GPU")
-    attn: str = arg("varlen", "attention: varlen runs each packed sequence on its own; sdpa and eager build a "
-                     "dense [T, T] block-diagonal mask (the reference paths)", choices=["varlen", "sdpa", "eager"])
+    grad_ckpt: bool = arg(None, "gradient checkpointing (true/false)", shown="on for GPU")
+    attn: str = arg("varlen", "attention: varlen runs each packed sequence on its own; sdpa and "
+                              "eager build a dense [T, T] block-diagonal mask (reference paths)",
+                    choices=["varlen", "sdpa", "eager"])
     # evaluation and checkpoints
-    eval_every: int = arg(None, "greedy held-out accuracy every N steps, plus start and end (0 = start and end)", type=int)
-    eval_n: int = arg(None, "held-out problems per evaluation", type=int)
+    eval_every: int = arg(None, "greedy held-out accuracy every N steps (0: start and end only)")
+    eval_n: int = arg(None, "held-out problems per evaluation")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it)")
 
 
-def pair_advantages(rewards, std_mode="population", eps=0.0):
-    """Group advantages for pairs [B, 2]: with the population std and eps = 0, exactly +1 for the better and -1 for
-    the worse completion of a mixed pair, 0 / 0 for a tied pair; the unbiased std would give +-1/sqrt(2).
-    docs/two_grpo.md#eq-pair-advantage"""
-    return group_advantages(rewards, std_mode, eps)  # [B, G]
-
-
 def prompts_to_draw(missing, mixed, drawn, cap, cap_factor):
-    """2-GRPO+RS: fresh prompts for the next round, enough to find `missing` mixed pairs at the mixed rate seen so far
-    this step (at least 1/cap_factor), never past the step's cap. docs/two_grpo.md#resample"""
+    """2-GRPO+RS: fresh prompts for the next round, enough to find `missing` mixed pairs at the
+    mixed rate seen so far this step (at least 1/cap_factor), never past the step's cap.
+    docs/two_grpo.md#resample"""
     rate = mixed / drawn if drawn else 1.0
     return min(math.ceil(missing / max(rate, 1 / cap_factor)), cap - drawn)
 
 
 def rows_to_train(samples, loss_agg, max_len, num_seqs, skip_tied):
-    """(indices, coefficients) of the rollouts the trainer must see. With beta = 0 a zero-advantage rollout has an
-    exactly zero loss and gradient, so skipping it leaves the update unchanged as long as the normaliser still counts
-    it: coefficients come from all rollouts first (docs/two_grpo.md#skip-tied). An all-tied batch keeps one row: its
-    zero gradient still moves Adam's momentum, as unskipped."""
-    coefs = token_coefficients([len(s.completion_ids) for s in samples], loss_agg, max_len=max_len, num_seqs=num_seqs)
+    """(indices, coefficients) of the rollouts the trainer must see. With beta = 0 a zero-advantage
+    rollout has an exactly zero loss and gradient: skipping it leaves the update unchanged as long
+    as the normaliser still counts it, so coefficients come from all rollouts first. An all-tied
+    batch keeps one row: its zero gradient moves Adam, as unskipped. docs/two_grpo.md#skip-tied"""
+    lengths = [len(s.completion_ids) for s in samples]
+    coefs = token_coefficients(lengths, loss_agg, max_len=max_len, num_seqs=num_seqs)
     keep = [i for i, s in enumerate(samples) if s.advantage != 0 or not skip_tied] or [0]
     return keep, coefs[keep]
 
 
 def default_lr(grpo_lr, prompts_per_step, dataset):
-    """The paper's linear scaling rule: the dataset's GRPO rate (32 prompts per step) x B/32. Not on the toy, where
-    it is unstable (1.2e-3 peaks, then falls back; an lr sweep over seeds is in docs/two_grpo.md#toy): there the
+    """The paper's linear scaling rule: the dataset's GRPO rate (32 prompts per step) x B/32. Not on
+    the toy, where it is unstable (1.2e-3 peaks, then falls back: docs/two_grpo.md#toy); there the
     GRPO rate itself, the one rate that reached 0.95 and stayed there for three seeds of three."""
     return grpo_lr if dataset == "toy" else grpo_lr * prompts_per_step / 32
 
 
 def main():
-    # ---------------------------------------------------------------- setup: every check before anything slow
-    args, given = parse_args(Args, description=__doc__)
-    args = setup_run(args, given, "two_grpo")
-    # 8x the prompts at 8x the rate of the GRPO recipe: same rollouts per step as 16-GRPO (docs/two_grpo.md#batch)
+    # ---------------------------------------------------------------- setup: every check first
+    args, given = parse_args(Args, METHOD, __doc__)
+    # 8x the prompts at 8x the rate of the GRPO recipe: 16-GRPO's rollouts per step
+    # (docs/two_grpo.md#batch); a resumed run keeps the rate it was started with
     args.prompts_per_step = args.prompts_per_step or (128 if args.dataset == "toy" else 256)
-    if "lr" not in given and not args.resume:  # a resumed run keeps the rate it was started with
+    if "lr" not in given and not args.resume:
         args.lr = default_lr(args.lr, args.prompts_per_step, args.dataset)
     if args.resample and args.resample_cap < 1:
         die(f"--resample_cap must be at least 1 (got {args.resample_cap})")
-    check_args(args)
+    check_flags(vars(args))  # again, with B known: it bounds the rollouts per step
     check_model(args.model, args.trust_remote_code)
     try:
         train_rows, eval_rows = load_dataset(args.dataset, args.eval_n)
     except (ValueError, OSError) as e:
         die(str(e))
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+    set_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.grad_ckpt = device.type == "cuda" if args.grad_ckpt is None else args.grad_ckpt
     args.token_budget = args.token_budget or default_token_budget(device, args.attn)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     if tokenizer.chat_template is None:
-        die(f"--model {args.model!r} has no chat template: use an instruct model or add one to its tokenizer")
+        die(f"--model {args.model!r} has no chat template: use an instruct model or add one")
     train_rows = prompt_token_ids(tokenizer, train_rows, args.template, args.max_prompt_len)
     eval_rows = prompt_token_ids(tokenizer, eval_rows, args.template, args.max_prompt_len)
     if not train_rows or not eval_rows:
-        die(f"every {'training' if not train_rows else 'held-out'} prompt is longer than --max_prompt_len "
-            f"{args.max_prompt_len} tokens")
+        split = "training" if not train_rows else "held-out"
+        die(f"every {split} prompt is longer than --max_prompt_len {args.max_prompt_len} tokens")
     steps = args.steps or math.ceil(len(train_rows) / args.prompts_per_step)
-    B, G, vocab_size = args.prompts_per_step, args.group_size, len(tokenizer)
+    B = args.prompts_per_step
+    G = args.group_size
+    vocab_size = len(tokenizer)
     stop_ids = stop_token_ids(tokenizer, args.model)
 
-    # ---------------------------------------------------------------- models, rollout engine, optimiser
+    # ---------------------------------------------------------------- models, engine, optimiser
     policy_path = os.path.join(args.out, "checkpoint", "model") if args.resume else args.model
     model = load_model(policy_path, device, args.trust_remote_code, args.attn, args.grad_ckpt)
-    ref_model = load_model(args.model, device, args.trust_remote_code, args.attn, frozen=True) if args.beta > 0 else None
-    engine = make_engine(args.rollout, model, tokenizer, policy_path, args, vocab_size, stop_ids)
-    optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_steps, steps * args.mu,
-                                          args.lr_schedule)
-    start, cursor = 0, 0
+    ref_model = None
+    if args.beta > 0:
+        ref_model = load_model(args.model, device, args.trust_remote_code, args.attn, frozen=True)
+    engine = make_engine(args.rollout, model, tokenizer, policy_path, seed=args.seed,
+                         max_model_len=args.max_prompt_len + args.max_tokens, max_num_seqs=B * G,
+                         vocab_size=vocab_size, stop_ids=stop_ids, gpu_memory=args.vllm_gpu_memory,
+                         trust_remote_code=args.trust_remote_code)
+    optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_steps,
+                                          steps * args.mu, args.lr_schedule)
+    state = {"step": 0, "cursor": 0}
     if args.resume:
         state = load_checkpoint(args.out, optimizer, scheduler)
-        start, cursor = state["step"], state["cursor"]
+    start = state["step"]
+    cursor = state["cursor"]
     attention = attention_kernel(args.attn, device)
-    write_config(args, {"method": "two_grpo", "steps": steps, "engine": type(engine).__name__, "device": str(device),
-                        "attention": attention})
+    write_config(args.out, args, {"method": METHOD, "steps": steps, "engine": type(engine).__name__,
+                                  "device": str(device), "attention": attention,
+                                  "ideal_trained_fraction": 1.0})  # the share of rollouts trained on
     metrics = open_metrics(args.out, start if args.resume else None)
-    print(f"two_grpo: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "
-          f"rollout {type(engine).__name__}, attention {attention}, {len(train_rows)} train / "
-          f"{len(eval_rows)} eval prompts, "
+    n_params = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"{METHOD}: {n_params:.1f}M parameters on {device}, rollout {type(engine).__name__}, "
+          f"attention {attention}, {len(train_rows)} train / {len(eval_rows)} eval prompts, "
           f"{steps} steps of {B} x {G}, output {args.out}")
-    train_kw = dict(temperature=args.temperature, vocab_size=vocab_size, token_budget=args.token_budget,
-                    chunk=args.logprob_chunk)
+    train_kw = dict(temperature=args.temperature, vocab_size=vocab_size,
+                    token_budget=args.token_budget, chunk=args.logprob_chunk)
     if start >= steps:
-        print(f"nothing to do: {args.out} already finished {start} of {steps} steps (raise --steps to go on)")
+        print(f"nothing to do: {args.out} already finished {start} of {steps} steps (see --steps)")
         return
     eval_acc = None
     if start == 0:
@@ -186,89 +201,108 @@ def main():
         print(f"step 0: eval accuracy {eval_acc:.3f}")
 
     # ---------------------------------------------------------------- training loop
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc="two_grpo", dynamic_ncols=True)
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc=METHOD, dynamic_ncols=True)
     for step in bar:
-        t0 = time.time()
-        # 1. rollout of G = 2 completions for B prompts, 2. reward (docs/two_grpo.md#batch). With --resample, tied
-        # pairs are replaced by pairs of fresh prompts until B pairs are mixed (docs/two_grpo.md#resample)
-        REWARD_STATS.clear()
-        batch, outputs, rewards, t_reward, rounds = [], [], [], 0.0, 0
-        cap = B * (args.resample_cap if args.resample else 1)  # prompts this step may draw
-        while len(batch) < cap:
-            mixed = sum(len(set(r)) > 1 for r in rewards)
-            missing = B - mixed if args.resample else B - len(batch)
-            if missing <= 0:
-                break
-            n = prompts_to_draw(missing, mixed, len(batch), cap, args.resample_cap)
-            new = [train_rows[i] for i in take_prompts(len(train_rows), cursor, n, args.seed)]
-            cursor += n
-            out = engine.generate([r["prompt_ids"] for r in new], G, args.temperature, args.max_tokens,
-                                  seed=rollout_seed(args.seed, step, len(batch) * G))  # n lists of G (ids, logps)
-            t1 = time.time()
-            texts = tokenizer.batch_decode([ids for group in out for ids, _ in group], skip_special_tokens=True)
-            scores = [math_reward(t, new[k // G]["gold"]) for k, t in enumerate(texts)]
-            batch, outputs, rounds = batch + new, outputs + out, rounds + 1
-            rewards += [scores[q * G:(q + 1) * G] for q in range(n)]
-            t_reward += time.time() - t1
-        engine.sleep()
-        drawn, tied, r_drawn = len(batch), sum(len(set(r)) == 1 for r in rewards) / len(batch), torch.tensor(rewards)
-        if args.resample:  # the batch is the first B mixed pairs; tied pairs (and any surplus) are discarded
-            keep = [q for q, r in enumerate(rewards) if len(set(r)) > 1][:B]
-            if not keep:  # nothing to learn from: train on B tied pairs (zero advantage), as plain 2-GRPO would
-                tqdm.write(f"step {step + 1}: no mixed pair among {len(batch)} prompts (--resample_cap "
-                           f"{args.resample_cap}): training on {B} tied pairs, whose policy gradient is zero")
-                keep = list(range(B))
-            batch, outputs, rewards = [batch[q] for q in keep], [outputs[q] for q in keep], [rewards[q] for q in keep]
-        t_rollout = time.time() - t0 - t_reward
+        timer = PhaseTimer()
+        # 1. rollout of G = 2 completions for B prompts, 2. reward, per round: with --resample, tied
+        # pairs give way to pairs of new prompts until B are mixed (docs/two_grpo.md#resample)
+        with timer("rollout"):
+            batch = []
+            outputs = []
+            rewards = []
+            reward_counts = collections.Counter()
+            cap = B * (args.resample_cap if args.resample else 1)  # prompts this step may draw
+            while len(batch) < cap:
+                mixed = sum(len(set(r)) > 1 for r in rewards)
+                missing = B - mixed if args.resample else B - len(batch)
+                if missing <= 0:
+                    break
+                n = prompts_to_draw(missing, mixed, len(batch), cap, args.resample_cap)
+                new = [train_rows[i] for i in take_prompts(len(train_rows), cursor, n, args.seed)]
+                cursor += n
+                round_seed = rollout_seed(args.seed, step, len(batch) * G)  # new slots each round
+                out = engine.generate([r["prompt_ids"] for r in new], G, args.temperature,
+                                      args.max_tokens, seed=round_seed)
+                with timer("reward"):
+                    texts = tokenizer.batch_decode([ids for group in out for ids, _ in group],
+                                                   skip_special_tokens=True)
+                    scores, counts = score(texts, [new[k // G]["gold"] for k in range(n * G)])
+                    reward_counts.update(counts)
+                batch += new
+                outputs += out  # one list of G (token ids, log-probs) per prompt
+                rewards += [scores[q * G:(q + 1) * G] for q in range(n)]
+            engine.sleep()
+            drawn = len(batch)
+            tied = sum(len(set(r)) == 1 for r in rewards) / drawn
+            r_drawn = torch.tensor(rewards)  # [drawn, G]: what the step sampled, logged below
+            if args.resample:  # train on the first B mixed pairs; drop tied ones and the surplus
+                keep = [q for q, r in enumerate(rewards) if len(set(r)) > 1][:B]
+                if not keep:  # nothing to learn: B tied pairs (zero advantage), as 2-GRPO would
+                    tqdm.write(f"step {step + 1}: no mixed pair among {drawn} prompts "
+                               f"(--resample_cap {args.resample_cap}): training on {B} tied pairs, "
+                               "whose policy gradient is zero")
+                    keep = list(range(B))
+                batch = [batch[q] for q in keep]
+                outputs = [outputs[q] for q in keep]
+                rewards = [rewards[q] for q in keep]
 
-        # 3. advantages +1 / -1 for a mixed pair, 0 / 0 for a tied one  (docs/two_grpo.md#eq-pair-advantage)
-        t1 = time.time()
-        rewards = torch.tensor(rewards, dtype=torch.float32).view(-1, G)  # [B, G]
-        advantages = pair_advantages(rewards, args.std_mode, args.adv_eps)  # [B, G]
-        samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(), advantages[q, i].item(), logps)
-                   for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]
-        train, coefs = rows_to_train(samples, args.loss_agg, args.max_tokens, B * G, args.skip_tied and args.beta == 0)
-        trained = [samples[i] for i in train]
-        t_reward += time.time() - t1
+        # 3. advantages +1 / -1 for a mixed pair, 0 / 0 for a tied one (population std, eps 0:
+        # docs/two_grpo.md#eq-pair-advantage); tied pairs skip the trainer (rows_to_train)
+        with timer("reward"):
+            rewards = torch.tensor(rewards).view(-1, G)  # [B, G]
+            advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [B, G]
+            samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(),
+                              advantages[q, i].item(), logps)
+                       for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]
+            train, coefs = rows_to_train(samples, args.loss_agg, args.max_tokens, B * G,
+                                         args.skip_tied and args.beta == 0)
+            trained = [samples[i] for i in train]
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
-        t1 = time.time()
-        old = sequence_logprobs(model, trained, **train_kw) if args.mu > 1 else None  # on-policy: old = logp.detach()
-        ref = sequence_logprobs(ref_model, trained, **train_kw) if ref_model is not None else None
-        t_logp = time.time() - t1  # inside t_train
-        for _ in range(args.mu):
-            stats = policy_update(model, optimizer, trained, coefs, old_logps=old, ref_logps=ref, beta=args.beta,
-                                  eps_low=args.eps_low, eps_high=args.eps_high, tis_cap=args.tis_cap,
-                                  grad_clip=args.grad_clip, **train_kw)
-            scheduler.step()
-        t_train = time.time() - t0 - t_rollout - t_reward
+        with timer("logp"):
+            old = None  # on-policy (mu = 1): old = logp.detach()
+            if args.mu > 1:
+                old = sequence_logprobs(model, trained, **train_kw)
+            ref = sequence_logprobs(ref_model, trained, **train_kw) if ref_model else None
+        with timer("update"):
+            for _ in range(args.mu):
+                stats = policy_update(model, optimizer, trained, coefs, old_logps=old,
+                                      ref_logps=ref, beta=args.beta, eps_low=args.eps_low,
+                                      eps_high=args.eps_high, tis_cap=args.tis_cap,
+                                      grad_clip=args.grad_clip, **train_kw)
+                scheduler.step()
 
         # 5. the engine samples the next step with the new weights
-        engine.push(model)
+        with timer("push"):
+            engine.push(model)
 
-        # ---------------------------------------------------------------- log, evaluate, checkpoint
+        # ---------------------------------------------------------------- log, evaluate, save
         done = step + 1
-        n_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-        row = {"step": done, "reward_mean": r_drawn.mean().item(), "reward_std": r_drawn.std(unbiased=False).item(),
-               "tied_pairs": tied, "prompts_drawn": drawn, "rollouts": drawn * G, "trained_rollouts": len(trained),
-               **stats, "completion_len": sum(len(s.completion_ids) for s in samples) / len(samples),
-               "truncated": sum(s.completion_ids[-1:] != [] and s.completion_ids[-1] not in stop_ids
-                                for s in samples) / len(samples),
-               "lr": scheduler.get_last_lr()[0],
-               "verify_timeouts": REWARD_STATS["timeout"], "verify_errors": REWARD_STATS["error"],
-               "no_answer": REWARD_STATS["no_answer"], "rollout_s": t_rollout, "reward_s": t_reward,
-               "train_s": t_train, "logp_s": t_logp, "step_s": time.time() - t0,
-               "tokens_per_s": n_tokens / (time.time() - t0)}
+        row = {
+            "step": done,
+            **batch_metrics(r_drawn, samples, stop_ids, reward_counts),
+            **stats,
+            "tied_pairs": tied,
+            "prompts_drawn": drawn,
+            "rollouts": drawn * G,
+            "trained_rollouts": len(trained),
+            "lr": scheduler.get_last_lr()[0],
+            **timer.seconds(),
+        }
+        row["tokens_per_s"] = row["tokens"] / row["step_s"]
         if (args.eval_every and done % args.eval_every == 0) or done == steps:
             eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
             row["eval_accuracy"] = eval_acc
         log_row(metrics, row)
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc="-" if eval_acc is None else f"{eval_acc:.3f}",
+        acc = "-" if eval_acc is None else f"{eval_acc:.3f}"
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc,
                         tok_s=f"{row['tokens_per_s']:.0f}")
         if done % args.save_every == 0 or done == steps:
             save_checkpoint(args.out, model, tokenizer, optimizer, scheduler, done, cursor)
+            plot_metrics(args.out)
     bar.close()
-    print(f"done: eval accuracy {eval_acc:.3f} after {steps} steps; metrics and checkpoint in {args.out}")
+    print(f"done: eval accuracy {eval_acc:.3f} after {steps} steps; metrics, plot and checkpoint "
+          f"in {args.out}")
 
 
 if __name__ == "__main__":

@@ -58,3 +58,32 @@ def assert_grads_close(got, want, rel=1e-4):
     for name, w in want.items():
         err, scale = (got[name] - w).abs().max().item(), w.abs().max().item()
         assert err <= rel * scale + 1e-7, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+LENGTHS = [(4, 5), (7, 2), (3, 9), (6, 1)]  # (prompt, completion) pairs of ragged lengths
+
+
+def make_samples(vocab, seed=0, lengths=LENGTHS):
+    """Samples of random token ids (>= 3) with these (prompt, completion) lengths and N(0, 1) advantages."""
+    from common import Sample
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for p, c in lengths:
+        prompt = torch.randint(3, vocab, (p,), generator=g).tolist()
+        completion = torch.randint(3, vocab, (c,), generator=g).tolist()
+        samples.append(Sample(prompt, completion, advantage=float(torch.randn((), generator=g))))
+    return samples
+
+
+class RecordingOptimizer:
+    """Stands in for AdamW: keeps a copy of the accumulated gradient at step()."""
+
+    def __init__(self, model):
+        self.model = model
+        self.grads = None
+
+    def step(self):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)

@@ -3,17 +3,16 @@ import os
 import subprocess
 import sys
 
-from bench import make_samples, padded_update
+from bench import padded_update, synthetic_samples
 from common import policy_update, token_coefficients
-from conftest import assert_grads_close
-from test_packing import RecordingOptimizer
+from conftest import RecordingOptimizer, assert_grads_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_padded_update_has_the_packed_gradient(tiny):
     model, tokenizer = tiny
-    samples = make_samples(12, "toy", len(tokenizer), seed=1)
+    samples = synthetic_samples(12, "toy", len(tokenizer), seed=1)
     coefs = token_coefficients([len(s.completion_ids) for s in samples], "seq_mean")
     kw = dict(temperature=1.0, vocab_size=len(tokenizer), eps_low=0.2, eps_high=0.2, beta=0.0, grad_clip=1e9)
     grads = []
@@ -49,25 +48,28 @@ def test_padding_bound_by_hand():
 
 # ---------------------------------------------------------------- the side-by-side parts: every formula by hand
 
-def test_step_phases_split_each_step_into_parts_that_add_up():
-    from bench import PHASES, step_phases
+def test_step_phases_read_the_logged_phases():
+    from compare import PHASES, step_phases
     rows = [{"step": 0, "eval_accuracy": 0.5},
-            {"step": 1, "rollout_s": 99, "reward_s": 99, "train_s": 99, "logp_s": 9, "step_s": 999, "rollouts": 99},
-            {"step": 2, "rollout_s": 1.0, "reward_s": 0.5, "train_s": 3.0, "logp_s": 1.0, "pack_s": 0.2, "step_s": 5.0,
-             "rollouts": 8, "completion_keep_frac": 0.5},  # DPPO-like: packing planned inside train_s
-            {"step": 3, "rollout_s": 2.0, "reward_s": 0.5, "train_s": 2.0, "logp_s": 0.5, "mmr_s": 0.4, "step_s": 5.4,
-             "rollouts": 8, "eval_accuracy": 0.7}]  # MMR-like: embeddings outside train_s
+            {"step": 1, "rollout_s": 99, "reward_s": 99, "logp_s": 9, "update_s": 99, "push_s": 9,
+             "step_s": 999, "rollouts": 99, "trained_rollouts": 99},
+            {"step": 2, "rollout_s": 1.0, "reward_s": 0.5, "logp_s": 1.0, "update_s": 1.8, "pack_s": 0.2,
+             "push_s": 0.4, "step_s": 5.0, "tokens_per_s": 900.0, "rollouts": 8,
+             "trained_rollouts": 4},  # DPPO-like: its packer timed as its own phase
+            {"step": 3, "rollout_s": 2.0, "reward_s": 0.5, "logp_s": 0.5, "update_s": 1.5, "mmr_s": 0.4,
+             "push_s": 0.5, "step_s": 5.4, "tokens_per_s": 800.0, "rollouts": 8, "trained_rollouts": 8,
+             "eval_accuracy": 0.7}]  # MMR-like: embeddings
     got = step_phases(rows)  # the first timed step is the warm-up, left out
-    want = {"rollout_s": 1.5, "reward_s": 0.5, "logp_s": 0.75, "update_s": 1.65, "overhead_s": 0.3, "other_s": 0.5,
-            "step_s": 5.2, "rollouts": 8, "trained": 6}
+    want = {"rollout_s": 1.5, "reward_s": 0.5, "logp_s": 0.75, "update_s": 1.65, "overhead_s": 0.3,
+            "other_s": 0.5, "step_s": 5.2, "rollouts": 8, "trained": 6}  # tokens_per_s is no phase
     assert got.keys() == want.keys()
     for k in want:
         assert abs(got[k] - want[k]) < 1e-9, k
     assert abs(sum(got[p] for p in PHASES) - got["step_s"]) < 1e-9
-    two_grpo = step_phases([rows[1], {**rows[3], "trained_rollouts": 3}])
-    assert two_grpo["trained"] == 3
-    stalled = {**rows[2], "rollout_s": 50.0, "step_s": 54.0}  # one step stalled by the machine: the median ignores it
-    assert step_phases([rows[1], rows[2], stalled, rows[3]])["rollout_s"] == 2.0  # median of 1, 50, 2 (mean 17.7)
+    untimed = {**rows[2], "step_s": 5.3}  # 0.4 s outside every phase: counted with the push (0.4 s)
+    assert abs(step_phases([rows[1], untimed])["other_s"] - 0.8) < 1e-9
+    stalled = {**rows[2], "rollout_s": 50.0, "step_s": 54.0}  # one stalled step: the median ignores it
+    assert step_phases([rows[1], rows[2], stalled, rows[3]])["rollout_s"] == 2.0  # of 1, 50, 2 (mean 17.7)
     assert step_phases([rows[1], rows[2], stalled, rows[3]])["step_s"] == 5.4
 
 
@@ -78,18 +80,17 @@ def test_mfu_by_hand():
 
 
 def test_ideal_ratios_and_the_ideal_step():
-    from bench import ideal_ratios, ideal_step
+    from compare import ideal_ratios, ideal_step
     grpo = {"rollout_s": 1.0, "reward_s": 1.0, "logp_s": 2.0, "update_s": 4.0, "overhead_s": 0.0, "other_s": 2.0}
-    cppo = ideal_ratios("cppo", 0.875, 0.5)
+    cppo = ideal_ratios(0.125)  # config.json's ideal_trained_fraction: 1 - P
     assert cppo["logp_s"] == cppo["update_s"] == 0.125 and cppo["rollout_s"] == 1.0
     assert abs(ideal_step(cppo, grpo) - (1 + 1 + 0.25 + 0.5 + 2) / 10) < 1e-12  # 0.475
-    assert abs(ideal_step(ideal_ratios("dppo", 0.875, 0.5), grpo) - 0.7) < 1e-12
-    for method in ["grpo", "two_grpo", "mmr_grpo"]:
-        assert ideal_step(ideal_ratios(method, 0.875, 0.5), grpo) == 1.0
+    assert abs(ideal_step(ideal_ratios(0.5), grpo) - 0.7) < 1e-12  # DPPO's 1 - r_o
+    assert ideal_step(ideal_ratios(1.0), grpo) == 1.0  # GRPO, 2-GRPO, MMR-GRPO
 
 
 def test_matched_flags_sample_the_same_rollouts():
-    from bench import matched_flags
+    from compare import matched_flags
     from cppo import kept_per_question, questions_to_sample
     Q, G, P = 16, 16, 0.875
     for method in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
@@ -101,7 +102,7 @@ def test_matched_flags_sample_the_same_rollouts():
 
 
 def test_curve_and_first_reaching():
-    from bench import curve, first_reaching, spread
+    from compare import curve, first_reaching, spread
     rows = [{"step": 0, "eval_accuracy": 0.6}, {"step": 1, "step_s": 2.0, "rollouts": 10},
             {"step": 2, "step_s": 3.0, "rollouts": 10, "eval_accuracy": 0.9},
             {"step": 3, "step_s": 1.0, "rollouts": 30, "eval_accuracy": 0.85}]

@@ -4,7 +4,8 @@ import os
 
 import torch
 
-from common import load_checkpoint, make_optimizer, open_metrics, recover_checkpoint, save_checkpoint
+from common import make_optimizer
+from plumbing import load_checkpoint, open_metrics, recover_checkpoint, save_checkpoint
 
 
 def test_save_load_and_recover_after_a_kill_between_renames(tiny, tmp_path):

@@ -40,7 +40,7 @@ def bad_jsonl(tmp_path):
     (["--lr", "-1"], "--lr must be > 0"),
     (["--prompts_per_step", "0"], "--prompts_per_step must be at least 1"),
     (["--save_every", "0"], "--save_every must be at least 1"),
-    (["--loss_agg", "sum"], "argument --loss_agg: invalid choice: 'sum'"),
+    (["--loss_agg", "sum"], "invalid choice: 'sum'"),
     (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (["--resume", "{tmp}/nothing"], "no checkpoint there"),
     (["--grad_clip=-1"], "--grad_clip must be >= 0"),
@@ -93,7 +93,7 @@ def test_toy_end_to_end_then_resume_after_a_kill(tmp_path):
     train = [r["step"] for r in logged if "reward_mean" in r]
     evals = [r["step"] for r in logged if "eval_accuracy" in r]
     assert train == [1, 2, 3, 4, 5] and evals == [0, 2, 4, 5]
-    needed = {"step", "reward_mean", "loss", "rollout_s", "train_s", "kl", "grad_norm", "tokens_per_s", "truncated",
+    needed = {"step", "reward_mean", "loss", "rollout_s", "update_s", "kl", "grad_norm", "tokens_per_s", "truncated",
               "zero_std_groups", "verify_timeouts"}
     assert needed <= set(logged[1]) and all(0 <= r["reward_mean"] <= 1 for r in logged if "reward_mean" in r)
     if json.load(open(os.path.join(out, "config.json")))["engine"] == "VLLMEngine":  # only vLLM reports its log-probs

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from common import (DATASETS, TEMPLATES, TOY_MODEL, format_prompt, load_dataset, load_tokenizer, prompt_token_ids,
-                    take_prompts)
+from common import TOY_MODEL, load_tokenizer
+from plumbing import DATASETS, TEMPLATES, format_prompt, load_dataset, prompt_token_ids, take_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,20 +123,20 @@ def test_hub_offline_probe(monkeypatch):
     """Unreachable hub -> HF_HUB_OFFLINE=1 for the process (caches only, no retries); set by the user -> trusted;
     behind a proxy -> no verdict from a direct connection."""
     import socket
-    import common
+    import plumbing
 
     def refuse(*args, **kwargs):
         raise OSError("no route")
     monkeypatch.setattr(socket, "create_connection", refuse)
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
-    common.hub_offline.cache_clear()
-    assert common.hub_offline() is True and os.environ["HF_HUB_OFFLINE"] == "1"
-    common.hub_offline.cache_clear()
+    plumbing.hub_offline.cache_clear()
+    assert plumbing.hub_offline() is True and os.environ["HF_HUB_OFFLINE"] == "1"
+    plumbing.hub_offline.cache_clear()
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
-    assert common.hub_offline() is False
-    common.hub_offline.cache_clear()
+    assert plumbing.hub_offline() is False
+    plumbing.hub_offline.cache_clear()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert common.hub_offline() is True
-    common.hub_offline.cache_clear()
+    assert plumbing.hub_offline() is True
+    plumbing.hub_offline.cache_clear()

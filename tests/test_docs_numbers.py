@@ -93,7 +93,7 @@ def test_grpo_bf16_resolution():
 # ------------------------------------------------------------------------------------ two_grpo.md
 
 
-def test_two_grpo_pair_advantages():
+def test_two_grpo_group_advantages_of_a_pair():
     """two_grpo.md §1: population std gives ±1, the unbiased std ±1/√2, eps > 0 1/(1 + 2 eps)."""
     assert list(advantages([1, 0], "population", 0)) == [1, -1]
     printed("two_grpo.md", "A = ±1/√2 ≈ @, not the paper's ±1", advantages([1, 0], "unbiased", 0)[0])
@@ -249,7 +249,7 @@ def test_cppo_toy_ratios():
     # mean saving = mean estimate - mean train_s: 18.7 and 2.37 as printed allow 16.28-16.38
     lowest, highest = 18.65 - 2.375, 18.75 - 2.365
     assert lowest <= 16.4 + 0.05 and 16.4 - 0.05 <= highest
-    printed("cppo.md", "The logged saving averaged @ s per step.", 16.4)
+    printed("cppo.md", "The saving it implied averaged @ s per step.", 16.4)
 
 
 def test_cppo_test_section_counts():
@@ -288,6 +288,15 @@ def test_dppo_lookahead_and_weights():
             45.2, 45.2 / 32)
     printed("dppo.md", "| 61–80 (second epoch) | @ | @ |", 45.2, 0.71)
     assert 32 / 45.2 - 0.005 <= 0.71 <= 33 / 45.2  # B or B + 1 kept of 45.2 examined
+
+
+def test_dppo_trained_fraction():
+    """dppo.md §14 and §15: config.json's ideal_trained_fraction is 1 − r_o; the toy's fixed-size draw
+    (r_o = 0.5, 32 × 8 completions) keeps floor or ceil of (1 − r_o)·256 = 128 of them (unless the floor binds)."""
+    r_o, n = 0.5, 32 * 8
+    printed("dppo.md", "gives `ideal_trained_fraction` = 1 − r_o, what the pruning keeps in expectation")
+    assert math.floor((1 - r_o) * n) == math.ceil((1 - r_o) * n) == 128
+    printed("dppo.md", "(`completion_keep_frac` @ every step)", 128 / n)
 
 
 def test_dppo_completion_keep_probabilities():

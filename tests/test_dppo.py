@@ -11,8 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import assert_grads_close
-from test_packing import RecordingOptimizer, make_samples
+from conftest import RecordingOptimizer, assert_grads_close, make_samples
 
 import dppo
 from common import group_advantages, policy_update, sequence_logprobs, token_coefficients
@@ -243,8 +242,8 @@ def run(args, timeout=600):
     (["--prune_completions", "nan"], "--prune_prompts and --prune_completions must be in [0, 1)"),
     (["--keep_floor", "0"], "--keep_floor in (0, 1]"),
     (["--keep_floor", "1.5"], "--keep_floor in (0, 1]"),
-    (["--window", "0"], "--window and --lookahead must be at least 1"),
-    (["--lookahead", "0.5"], "--window and --lookahead must be at least 1"),
+    (["--window", "0"], "--window must be at least 1"),
+    (["--lookahead", "0.5"], "--lookahead must be at least 1"),
     (["--window", "2.5"], "argument --window: invalid int value"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, args, message):
@@ -269,8 +268,8 @@ def test_help_explains_every_flag(monkeypatch, capsys):
 
 def test_toy_prunes_both_levels_and_resumes(tmp_path):
     """A 12-prompt data set of carry-free sums (mostly all-correct groups) comes round again at step 3: prompts that
-    tied are then pruned and refilled. Every step logs the pruning and packing metrics; --resume goes on, with the
-    history table."""
+    tied are then pruned and refilled. Every step logs the pruning and packing metrics, the rollouts sampled and
+    trained, and the packer's time as its own phase; --resume goes on, with the history table."""
     rows = [json.loads(line) for line in open(os.path.join(REPO, "toy", "data", "train.jsonl"))]
     easy = [r for r in rows if sum(int(x) % 10 for x in re.findall(r"\d+", r["question"])) < 10][:15]  # no carry
     data = tmp_path / "easy.jsonl"
@@ -288,9 +287,17 @@ def test_toy_prunes_both_levels_and_resumes(tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     for r in train:
         assert 0 < r["completion_keep_frac"] < 1 and r["weight_max"] >= r["weight_mean"] >= 1
-        assert 0 < r["pack_density"] <= 1 and 0 < r["pack_density_ffd"] <= 1
+        assert r["trained_rollouts"] == pytest.approx(r["completion_keep_frac"] * r["rollouts"], rel=1e-5)
+        assert r["rollouts"] == pytest.approx(4 * r["prompt_keep_frac"] * r["prompts_examined"], rel=1e-5)  # G = 4
+        assert 0 < r["pack_density"] <= 1 and "pack_density_ffd" not in r
         assert r["pack_micro_batches"] == r["micro_batches"]  # the window packer is the one that ran
+        phases = [k for k in r if k.endswith("_s") and k not in ("step_s", "tokens_per_s")]
+        assert {"rollout_s", "reward_s", "update_s", "pack_s", "push_s"} <= set(phases) and r["pack_s"] > 0
+        assert sum(r[k] for k in phases) <= r["step_s"] * 1.0001  # exclusive: pack_s is not also in update_s
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["method"] == "dppo" and config["ideal_trained_fraction"] == 0.5  # 1 - r_o
+    assert os.path.exists(os.path.join(out, "metrics.png"))
     assert [r["prompts_examined"] for r in train[:2]] == [6, 6]  # first epoch: no history, nothing to prune
     assert any(r["prompts_examined"] > 6 and r["prompt_keep_frac"] < 1 for r in train[2:])  # second epoch
-    history = json.load(open(os.path.join(out, "checkpoint", "history.json")))
+    history = torch.load(os.path.join(out, "checkpoint", "state.pt"), weights_only=True)["history"]
     assert len(history) == 12 and any(history.values())

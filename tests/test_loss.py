@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from common import Sample, group_advantages, packed_logprobs, policy_update, token_coefficients, token_loss
+from common import group_advantages, packed_logprobs, policy_update, token_coefficients, token_loss
 from conftest import assert_grads_close
-from test_packing import RecordingOptimizer, make_samples
+from conftest import RecordingOptimizer, make_samples
 
 
 def test_advantages_unbiased_population_none():

@@ -219,17 +219,23 @@ def test_toy_cli_run_logs_mmr(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2]
-    needed = {"reward_mean", "loss", "kl", "grad_norm", "zero_std_groups", "rollout_s", "reward_s", "train_s", "step_s",
-              "tokens_per_s", "mmr_lambda", "mmr_s", "mmr_share", "mmr_similarity", "silent_groups"}
+    phases = {"rollout_s", "reward_s", "mmr_s", "logp_s", "update_s", "push_s"}
+    needed = {"reward_mean", "loss", "kl", "grad_norm", "zero_std_groups", "step_s", "tokens_per_s", "rollouts",
+              "trained_rollouts", "mmr_lambda", "mmr_share", "mmr_similarity", "silent_groups", *phases}
     for r in rows[1:]:
-        assert needed <= set(r)
+        assert needed <= set(r) and "train_s" not in r
+        assert r["rollouts"] == r["trained_rollouts"] == 16  # every completion is trained on
         assert 0.5 <= r["mmr_lambda"] < sigmoid(0.5) + 1e-6  # binary rewards: population std <= 0.5
         assert 0 < r["mmr_share"] < 1 and r["mmr_s"] == pytest.approx(r["mmr_share"] * r["step_s"], rel=1e-3)
+        # "mmr" is its own phase, timed inside "reward" but not counted there: the phases add up to the step
+        assert sum(r[k] for k in phases) == pytest.approx(r["step_s"], rel=0.05)
         assert r["silent_groups"] == 0  # the advantages come from r~: no group is left without a signal...
     assert sum(r["zero_std_groups"] for r in rows[1:]) > 0  # ...although plain GRPO would have left some silent
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["method"] == "mmr_grpo" and config["args"]["embed_model"] == "toy" and config["args"]["sim_floor"]
+    assert config["ideal_trained_fraction"] == 1.0
     assert os.path.exists(os.path.join(out, "checkpoint", "model", "model.safetensors"))
+    assert os.path.exists(os.path.join(out, "metrics.png"))
 
 
 @pytest.fixture
@@ -244,7 +250,8 @@ def inputs(tmp_path):
     (["--embed_model", "/no/such/encoder"], "--embed_model '/no/such/encoder' could not be loaded"),
     (["--embed_model", "{tmp}/not_a_model"], "not_a_model' could not be loaded"),
     (["--dataset", "{tmp}/small.jsonl"], "--embed_model 'sentence-transformers/all-MiniLM-L6-v2' could not be loaded"),
-    (["--sim_floor", "yes"], "unrecognized arguments: yes"),
+    (["--sim_floor", "maybe"], "Truthy value expected: got maybe"),
+    (["--no_sim_floor", "yes"], "unrecognized arguments: yes"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, args, message):
     out = inputs / "out"
@@ -257,7 +264,18 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, args, message):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flags,floor", [
+    ([], True), (["--no_sim_floor"], False), (["--no-sim-floor"], False), (["--sim_floor", "false"], False),
+    (["--sim_floor"], True), (["--sim-floor", "true"], True),
+])
+def test_sim_floor_flag_spellings(tmp_path, flags, floor):
+    from mmr_grpo import Args
+    from plumbing import parse_args
+    args, _ = parse_args(Args, "mmr_grpo", "", [*flags, "--rollout", "hf", "--out", str(tmp_path / "run")])
+    assert args.sim_floor is floor
+
+
 def test_help_explains_the_mmr_flags():
     result = run(["--help"])
-    assert result.returncode == 0 and "--embed_model" in result.stdout and "--no-sim_floor" in result.stdout
+    assert result.returncode == 0 and "--embed_model" in result.stdout and "--no_sim_floor" in result.stdout
     assert "all-MiniLM-L6-v2" in result.stdout and "official code" in result.stdout

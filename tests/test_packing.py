@@ -4,19 +4,11 @@ log_softmax + gather, and the micro-batch split never changes the gradient."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_grads_close
+from conftest import RecordingOptimizer, assert_grads_close, make_samples
 
 from common import (Sample, chunked_logprobs, load_model, pack_microbatches, packed_inputs, packed_logprobs,
-                    policy_update, seq_layout, sequence_logprobs, token_coefficients)
-
-LENGTHS = [(4, 5), (7, 2), (3, 9), (6, 1)]  # (prompt, completion) pairs of ragged lengths
-
-
-def make_samples(vocab, seed=0, lengths=LENGTHS):
-    g = torch.Generator().manual_seed(seed)
-    ids = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()
-    return [Sample(ids(p), ids(c), advantage=float(torch.randn((), generator=g))) for p, c in lengths]
-
+                    policy_update, sequence_logprobs, token_coefficients)
+from varlen import seq_layout
 
 def one_at_a_time(model, samples):
     """Reference: each sequence alone, plain forward, full logits. Returns per-sequence [L, V] logits."""
@@ -250,19 +242,6 @@ def test_pack_microbatches_respects_budget_and_covers_everything():
     assert [7] in bins  # the 20-token sequence is longer than the budget: alone
     # first-fit decreasing by hand: 20 | 12 3 1 | 9 7 | 8 5  (the other 45 tokens in the minimum 3 bins of 16)
     assert sorted(map(sorted, bins)) == sorted([[7], [2, 4, 5], [1, 3], [0, 6]])
-
-
-class RecordingOptimizer:
-    """Stands in for AdamW: keeps a copy of the accumulated gradient at step()."""
-
-    def __init__(self, model):
-        self.model, self.grads = model, None
-
-    def step(self):
-        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
 
 
 @pytest.mark.parametrize("loss_agg", ["seq_mean", "token_mean", "constant"])

@@ -1,10 +1,12 @@
 """math_reward: right and wrong answers in GSM8K and MATH style, no credit without a final answer, bounded time,
 never raises, failures counted."""
+import collections
 import time
 
 import pytest
 
-from common import REWARD_STATS, extract_answer, gold_answer, math_reward
+from common import VerifyTimeout, extract_answer, math_reward, score, time_limit
+from plumbing import gold_answer
 
 RIGHT = [  # (completion, gold): each must score 1.0
     ("<think>16 - 3 - 4 = 9, 9 * 2 = 18</think>\n<answer>18</answer>", "18"),
@@ -127,11 +129,26 @@ def test_pathological_latex_returns_within_the_time_limit():
 
 
 def test_timeouts_and_misses_are_counted():
-    REWARD_STATS.clear()
-    math_reward("nothing here", "1")
-    math_reward("\\boxed{1}", "1")
-    assert REWARD_STATS["calls"] == 2 and REWARD_STATS["no_answer"] == 1
-    REWARD_STATS.clear()
+    rewards, counts = score(["nothing here", "\\boxed{1}"], ["1", "1"])
+    assert rewards == [0.0, 1.0] and counts["calls"] == 2 and counts["no_answer"] == 1
+    counts = collections.Counter()
     t0 = time.time()
-    assert math_reward("\\boxed{1}", "x" * 200_000, timeout=0.3) == 0.0  # parsing this gold takes seconds
-    assert REWARD_STATS["timeout"] == 1 and time.time() - t0 < 1.5
+    assert math_reward("\\boxed{1}", "x" * 200_000, timeout=0.3, counts=counts) == 0.0  # a slow gold
+    assert counts["timeout"] == 1 and time.time() - t0 < 1.5
+
+
+def test_an_alarm_that_is_swallowed_comes_again():
+    """Python drops an exception raised in a weakref callback or __del__: the timer must fire again."""
+    t0 = time.time()
+    swallowed = 0
+    with pytest.raises(VerifyTimeout):
+        with time_limit(0.2):
+            while time.time() - t0 < 5:
+                try:
+                    while time.time() - t0 < 5:
+                        pass
+                except VerifyTimeout:
+                    swallowed += 1  # the first one lands where it is ignored
+                    if swallowed > 1:
+                        raise
+    assert swallowed == 2 and time.time() - t0 < 1.0

@@ -1,29 +1,35 @@
-"""2-GRPO: +-1 / 0 pair advantages, the paper's contrastive pair loss (v2 Eq. 14) equals the GRPO loss with G = 2 and
-the population std, skipping tied pairs leaves the update unchanged, the 2-GRPO+RS draw sizes, and the script end to
-end (defaults scaled from the GRPO recipe, resume, bad input)."""
+"""2-GRPO: +-1 / 0 pair advantages (group_advantages with the population std and eps 0), the paper's contrastive
+pair loss (v2 Eq. 14) equals the GRPO loss with G = 2 and the population std, skipping tied pairs leaves the update
+unchanged, the 2-GRPO+RS draw sizes, and the script end to end (defaults scaled from the GRPO recipe, resume, bad
+input, the logged phases)."""
 import json
 import os
 
 import pytest
 import torch
 
-from common import Sample, packed_logprobs, policy_update, token_coefficients
+from common import Sample, group_advantages, packed_logprobs, policy_update, token_coefficients
+from conftest import RecordingOptimizer as Capture  # keeps the accumulated gradient instead of stepping
 from conftest import assert_grads_close
-from test_packing import RecordingOptimizer as Capture  # keeps the accumulated gradient instead of stepping
 from test_cli import REPO, rows, run
-from two_grpo import pair_advantages, prompts_to_draw, rows_to_train
+from two_grpo import Args, prompts_to_draw, rows_to_train
 
 SMALL = ["--prompts_per_step", "8", "--eval_n", "16"]
+PHASES = ["rollout_s", "reward_s", "logp_s", "update_s", "push_s"]  # exclusive: together, the step
 
 
-def test_pair_advantages_are_exactly_plus_minus_one_or_zero():
+def test_group_advantages_of_pairs_are_exactly_plus_minus_one_or_zero():
+    """group_advantages as two_grpo.py calls it, with the script's defaults: population std, eps 0."""
+    assert (Args.std_mode, Args.adv_eps) == ("population", 0.0)
     r = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
-    assert pair_advantages(r).tolist() == [[1.0, -1.0], [-1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
+    got = group_advantages(r, Args.std_mode, Args.adv_eps)
+    assert got.tolist() == [[1.0, -1.0], [-1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
     # the unbiased std of {0, 1} is 1/sqrt(2): +-0.7071, the pitfall the paper's convention avoids
-    unbiased = pair_advantages(r[:1], "unbiased")
+    unbiased = group_advantages(r[:1], "unbiased", Args.adv_eps)
     assert torch.allclose(unbiased, torch.tensor([[0.5 ** 0.5, -(0.5 ** 0.5)]]))
     # any reward gap becomes +-1 over two samples (sign amplification for non-binary rewards)
-    assert pair_advantages(torch.tensor([[0.3, 0.7]])).tolist() == [[-1.0, 1.0]]
+    gap = group_advantages(torch.tensor([[0.3, 0.7]]), Args.std_mode, Args.adv_eps)
+    assert gap.tolist() == [[-1.0, 1.0]]
 
 
 def eq14_loss(model, samples, old, eps_low, eps_high, vocab):
@@ -49,7 +55,7 @@ def pair_batch(tiny):
     completions = [enc("<answer>46</answer>"), enc("<answer>4</answer> no"), enc("<answer>77</answer>"),
                    enc("<answer>77</answer>"), enc("so <answer>99"), enc("<answer>98</answer>")]
     rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])  # mixed, tied, mixed (worse one first)
-    adv = pair_advantages(rewards)
+    adv = group_advantages(rewards, Args.std_mode, Args.adv_eps)
     return [Sample(prompts[i // 2], c, rewards.view(-1)[i].item(), adv.view(-1)[i].item())
             for i, c in enumerate(completions)]
 
@@ -120,11 +126,15 @@ def test_two_grpo_toy_run_defaults_and_resume(tmp_path):
     # the toy's GRPO rate, unscaled (docs/two_grpo.md#toy); G = 2, population std, no eps, clip-higher, no KL
     assert config["lr"] == pytest.approx(3e-4) and config["group_size"] == 2
     assert (config["std_mode"], config["adv_eps"], config["eps_high"], config["beta"]) == ("population", 0.0, 0.28, 0.0)
+    assert json.load(open(os.path.join(out, "config.json")))["ideal_trained_fraction"] == 1.0
+    assert os.path.exists(os.path.join(out, "metrics.png"))
     logged = rows(out)
     for r in logged[1:]:
         assert r["rollouts"] == 16 and r["prompts_drawn"] == 8
         tied = round(r["tied_pairs"] * 8)  # tied pairs never reach the trainer (beta = 0)
         assert r["trained_rollouts"] == max(2 * (8 - tied), 1)
+        assert "train_s" not in r and r["zero_std_groups"] == r["tied_pairs"]
+        assert sum(r[p] for p in PHASES) == pytest.approx(r["step_s"], rel=0.05, abs=0.05)
     result = run(["--resume", out, "--steps", "3"], script="two_grpo.py")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in rows(out)] == [0, 1, 2, 3]
@@ -141,6 +151,8 @@ def test_two_grpo_resample_trains_mixed_pairs_only(tmp_path):
         assert 8 <= drawn <= 24 and r["rollouts"] == 2 * drawn
         assert r["trained_rollouts"] == max(2 * min(8, drawn - tied), 1)
         assert drawn == 24 or drawn - tied >= 8  # stops when B pairs are mixed, or at the cap
+        # reward is timed inside the resampling rollout, and counted once
+        assert sum(r[p] for p in PHASES) == pytest.approx(r["step_s"], rel=0.05, abs=0.05)
     assert json.load(open(os.path.join(out, "config.json")))["args"]["lr"] == pytest.approx(3e-4)
     given = run(SMALL + ["--steps", "1", "--eval_every", "0", "--lr", "1e-4", "--out", str(tmp_path / "lr")],
                 script="two_grpo.py")
