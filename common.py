@@ -54,7 +54,7 @@ class VerifyTimeout(BaseException):  # BaseException: sympy's `except Exception`
 @contextlib.contextmanager
 def time_limit(seconds):
     """Raise VerifyTimeout after `seconds` (SIGALRM: main thread only; elsewhere no limit)."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
 
@@ -66,8 +66,11 @@ def time_limit(seconds):
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # an alarm may land just before: then once more
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
 
 
 def last_boxed(text):

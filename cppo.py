@@ -139,7 +139,7 @@ def prune_batch(adv, P):
 
 def main():
     # ---------------------------------------------------------------- setup: every check first
-    args, given = parse_args(Args, METHOD, __doc__)
+    args, _ = parse_args(Args, METHOD, __doc__)  # (_: the flags given, see two_grpo.py)
     try:
         k = kept_per_question(args.group_size, args.pruning)
     except ValueError as e:

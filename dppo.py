@@ -103,7 +103,7 @@ def candidate_window(stream, history, B, r_q, floor, cap):
 def update_history(history, rows, rewards):
     """Per row index: did its last group tie (rewards [B', G])? docs/dppo.md#eq-prompt-keep"""
     for i, r in zip(rows, rewards.tolist()):
-        history[i] = len(set(r)) == 1
+        history[int(i)] = len(set(r)) == 1  # plain ints: the table goes into state.pt
     return history
 
 
@@ -164,7 +164,7 @@ def packing_density(lengths, bins, budget):
 
 def main():
     # ---------------------------------------------------------------- setup: every check first
-    args, given = parse_args(Args, METHOD, __doc__)
+    args, _ = parse_args(Args, METHOD, __doc__)  # (_: the flags given, see two_grpo.py)
     if not (0 <= args.prune_prompts < 1 and 0 <= args.prune_completions < 1 and 0 < args.keep_floor <= 1):
         die(f"--prune_prompts and --prune_completions must be in [0, 1), --keep_floor in (0, 1] (got "
             f"{args.prune_prompts}, {args.prune_completions}, {args.keep_floor})")  # every pi > 0

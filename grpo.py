@@ -6,7 +6,8 @@ The baseline that every other script here changes one piece of. One step:
   3. advantages normalised within each prompt's group: A = (r - mean) / (std + eps);
   4. mu clipped policy-gradient updates on packed micro-batches, with a k3 KL to the frozen initial model;
   5. push the new weights into the rollout engine.
-The maths, with every convention this file picks, is in docs/grpo.md; the machinery is in common.py.
+The maths, with every convention this file picks, is in docs/grpo.md; the machinery is in common.py
+(flags, data and run files: plumbing.py).
 
 Run:
     python grpo.py                                                     # the built-in toy, CPU, ~2 minutes
@@ -88,7 +89,7 @@ class Args:
 
 def main():
     # ---------------------------------------------------------------- setup: every check first
-    args, given = parse_args(Args, METHOD, __doc__)
+    args, _ = parse_args(Args, METHOD, __doc__)  # (_: the flags given, see two_grpo.py)
     check_model(args.model, args.trust_remote_code)
     try:
         train_rows, eval_rows = load_dataset(args.dataset, args.eval_n)

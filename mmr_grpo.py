@@ -162,7 +162,7 @@ def mmr_reweight(rewards, embeddings, floor=True):
 
 def main():
     # ---------------------------------------------------------------- setup: every check first
-    args, given = parse_args(Args, METHOD, __doc__)
+    args, _ = parse_args(Args, METHOD, __doc__)  # (_: the flags given, see two_grpo.py)
     args.embed_model = args.embed_model or ("toy" if args.dataset == "toy" else MINILM)
     check_model(args.model, args.trust_remote_code)
     try:

@@ -43,17 +43,23 @@ def die(message):
 def parse_args(cls, method, description, argv=None):
     """Flags -> `cls`, then: on --resume the saved run's flags fill those not given; recipe defaults
     fill the flags left at None; --out is chosen; every check of check_flags(). Returns (args, the
-    names of the flags given on the command line). Nothing is written."""
+    names of the flags given on the command line). Nothing is written (on --resume, a checkpoint
+    cut between save_checkpoint's two renames is first put back in place)."""
     from transformers import HfArgumentParser
+    from transformers.hf_argparser import string_to_bool
     parser = HfArgumentParser(cls, description=description,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.error = die  # argparse would print the whole usage block first
-    for action in parser._actions:
+    for action in list(parser._actions):
         if action.dest in RECIPE and action.default is None:  # filled from the dataset's recipe
-            recipe = f"(default: {recipe_help(action.dest)})"
-            action.help = action.help.replace("(default: None)", recipe)
+            shown = f"(default: {recipe_help(action.dest)})"
+            action.help = action.help.replace("(default: None)", shown)
         if action.option_strings[0].startswith("--no_"):  # the off switch of a default-on flag
             action.help = f"turn --{action.dest} off"
+        off = f"--no-{action.dest}"  # the spelling of this project's earlier parser: keep it working
+        if action.type is string_to_bool and off not in parser._option_string_actions:
+            parser.add_argument(off, dest=action.dest, action="store_false", default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
     args, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True,
                                                        look_for_args_file=False)
     if unknown:
@@ -469,7 +475,12 @@ class PhaseTimer:
 
 def plot_metrics(out):
     """out/metrics.png: reward, held-out accuracy and step time against the step."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("metrics.png skipped: matplotlib is not installed (pip install matplotlib)",
+              file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -9,7 +9,7 @@ What changes relative to grpo.py (a configuration of the same loop, plus one opt
   * tied pairs carry no gradient, so they skip the trainer's passes (same update, less work);
   * --resample: 2-GRPO+RS (paper v3), tied pairs replaced by fresh ones (docs/two_grpo.md#resample).
 The derivation (why two rollouts keep GRPO's gradient unbiased, and why variance falls with more
-prompts) is in docs/two_grpo.md; the machinery is in common.py.
+prompts) is in docs/two_grpo.md; the machinery is in common.py and plumbing.py.
 
 Run:
     python two_grpo.py                                                    # the built-in toy, CPU

@@ -73,6 +73,7 @@ class Flags:
     eval_n: int = arg(None, "eval n")
     save_every: int = arg(50, "save")
     floor: bool = arg(True, "a default-on switch")
+    ckpt: bool = arg(None, "a switch whose default is decided later")
 
 
 def test_parse_args_fills_the_recipe_and_reports_what_was_given(tmp_path):
@@ -83,6 +84,12 @@ def test_parse_args_fills_the_recipe_and_reports_what_was_given(tmp_path):
     assert (args.lr, args.max_tokens, args.template) == (1e-6, 1024, "plain")  # a local folder: RECIPE
     with pytest.raises(SystemExit):
         parse_args(Flags, "m", "", ["--floor", "maybe"])
+    out = ["--out", str(tmp_path / "o")]
+    spellings = {"": (True, None), "--no-floor --ckpt": (False, True), "--floor false --ckpt no": (False, False),
+                 "--no_floor --no-ckpt": (False, False)}  # --no-ckpt: the earlier parser's spelling
+    for argv, want in spellings.items():
+        args, given = parse_args(Flags, "m", "", argv.split() + out)
+        assert (args.floor, args.ckpt) == want and given == {"out"} | ({"floor", "ckpt"} if argv else set())
 
 
 def test_resume_keeps_the_saved_flags_unless_given_again(tmp_path):
