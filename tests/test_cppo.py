@@ -193,7 +193,8 @@ def test_pruned_rows_never_reach_the_old_reference_or_update_passes(tiny_dir, tm
     real_update = cppo.policy_update
 
     def spying_update(model, optimizer, samples, coefs, **kw):
-        updates.append(([s.advantage for s in samples], coefs.clone(), [len(s.completion_ids) for s in samples]))
+        updates.append(([s.advantage for s in samples], coefs.clone(), [len(s.completion_ids) for s in samples],
+                        sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)))
         return real_update(model, optimizer, samples, coefs, **kw)
     monkeypatch.setattr(cppo, "load_model", spying_load_model)
     monkeypatch.setattr(cppo, "policy_update", spying_update)
@@ -216,7 +217,7 @@ def test_pruned_rows_never_reach_the_old_reference_or_update_passes(tiny_dir, tm
     # what the updates received: the full-group advantages (not renormalised) and the token mean over kept tokens
     adv = adv_by_hand().flatten()
     assert len(updates) == 6
-    for advantages, coefs, lengths in updates:
+    for advantages, coefs, lengths, _ in updates:
         torch.testing.assert_close(torch.tensor(advantages), adv[kept])
         torch.testing.assert_close(coefs, torch.full((8,), 1 / sum(lengths)))
     logged = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -224,6 +225,9 @@ def test_pruned_rows_never_reach_the_old_reference_or_update_passes(tiny_dir, tm
     assert json.load(open(out / "config.json"))["args"]["warmup_steps"] == 1  # round(0.1 * 3 steps * mu 2)
     assert logged[1]["questions"] == 4 and logged[1]["kept_frac"] == 0.5
     assert logged[1]["rollouts"] == 16 and logged[1]["trained_rollouts"] == 8
+    # kept_token_frac: the kept rows' prompt + completion tokens over every sampled row's (`tokens`)
+    assert logged[1]["kept_token_frac"] * logged[1]["tokens"] == pytest.approx(updates[0][3])
+    assert logged[1]["kept_token_frac"] < 1
     assert logged[1]["questions_emptied"] == (1 if scope == "batch" else 0)  # q2 (all A = 0) loses all its rows
     assert logged[1]["kept_zero_adv"] == (0 if scope == "batch" else 0.25)
     assert logged[1]["reward_mean"] == pytest.approx(8 / 16) and logged[1]["zero_std_groups"] == 0.25
