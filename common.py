@@ -1,6 +1,7 @@
 """What the five scripts share, in the order one training step uses it (the maths: docs/grpo.md).
 
-  1. reward        math_reward(): math-verify correctness in {0, 1}; never raises, bounded time
+  1. reward        math_reward(): correctness in {0, 1} (a single value for a numeric gold, else
+                   math-verify); never raises, bounded time
   2. advantages    group_advantages(): (r - mean) / (std + eps) within each prompt's group
   3. packed step   packed micro-batches (attention: varlen.py), memory-lean log-probs, the clipped
                    loss with a k3 KL, policy_update()
@@ -18,6 +19,7 @@ import os
 import re
 import signal
 import threading
+from fractions import Fraction
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -36,15 +38,34 @@ TOY_MODEL = os.path.join(REPO, "toy", "model")
 # --------------------------------------------------------------------------------------------------
 # 1. Reward: math-verify on the final answer only (docs/grpo.md#reward)
 
-_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # 1,000 is one number; 1,2 is two
-_FRACTION = r"\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}|\d+\s*/\s*\d+"
-_UNIT = r"\\?%|\\text\{[^{}]*\}|[A-Za-z]{2,}[A-Za-z .]*"
-_WITH_UNITS = re.compile(rf"\s*(?:\\?\$)?\s*({_NUMBER})\s*(?:{_UNIT})?\s*\.?\s*")
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # a numeric gold (1,000 is one number)
 # one \s* before the anchor's verb, and \sI hope: adjacent \s* or \s+ could backtrack quadratically
 # on a long run of whitespace, and extraction runs before the reward's time limit
 _ANCHOR = re.compile(
     r"\b(?:final answer|answer)\s*(?:\*\*\s*)?(?:is\b|:)\s*(?:\*\*\s*)?:?\s*(?:\*\*)?", re.I)
 _SENTENCE_END = re.compile(r"\.(?:\s|$)|\sI hope|\*\*")
+# The tokens of an answer to a numeric question: a number (1,000 is one, 1,2 two), a word, a LaTeX
+# command, white space, any other character. Each alternative starts with its own kind of character
+# and none can give back what it matched, so a scan is linear in the answer's length: a regex that
+# reads units with adjacent quantifiers backtracked cubically, and no alarm interrupts a C regex.
+_TOKEN = re.compile(r"(?P<num>[0-9]+(?:,[0-9]{3}(?![0-9]))*(?:\.[0-9]+)?|\.[0-9]+)"
+                    r"|(?P<word>[^\W\d_]+)|(?P<cmd>\\[A-Za-z]+|\\.)|(?P<space>\s+)|(?P<char>.)",
+                    re.S)
+_NUMBER_WORDS = frozenset(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety "
+    "hundred thousand million billion trillion dozen".split())
+_REFUSED_WORDS = frozenset(
+    "plus minus multiplied divided squared cubed root sqrt power factorial log ln exp sin cos tan "
+    "half halved twice double doubled triple tripled thrice "  # an operation on the value
+    "or either nor neither versus vs "  # a choice
+    "not no never none impossible incorrect wrong false "  # a negation
+    "maybe perhaps possibly probably approximately approx roughly nearly almost".split())  # a guess
+_REFUSED_CHARS = frozenset("+*^!?<>|_\\×÷·⋅±∓√∛≈≠≤≥")
+_FRACTION_COMMANDS = frozenset({"\\frac", "\\dfrac", "\\tfrac"})
+_UNIT_COMMANDS = frozenset({"\\text", "\\textbf", "\\textit", "\\textrm", "\\mathrm", "\\mathbf",
+                            "\\mbox", "\\$", "\\%", "\\,", "\\;", "\\:", "\\!", "\\ ", "\\quad",
+                            "\\qquad", "\\degree", "\\(", "\\)", "\\[", "\\]"})  # \( \): math mode
 
 
 class VerifyTimeout(BaseException):  # BaseException: sympy's `except Exception` cannot swallow it
@@ -102,19 +123,165 @@ def anchored_answer(text):
     return phrase.rstrip(".,;") or None
 
 
+def last_tag(text):
+    """Content of the last <answer>...</answer>: from the last <answer> that a </answer> follows to
+    the first </answer> after it. None without one. (str.rfind, not a lazy regex: the regex scans
+    on from every unclosed <answer>, quadratic in the completion's length.)"""
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, max(end, 0))
+    if end < 0 or start < 0:
+        return None
+    start += len("<answer>")
+    return text[start:text.find("</answer>", start)]
+
+
 def extract_answer(text):
-    """The final answer only: the last <answer>...</answer> (its \\boxed{} if any), else the last
-    \\boxed{}, else the text after the last '####', else an anchored phrase ('Answer: 18'). None when
-    there is none: math-verify would happily evaluate an echoed question ('3+4' matches gold 7)."""
-    tags = re.findall(r"<answer>(.*?)</answer>", text, flags=re.S)
-    if tags:
-        return last_boxed(tags[-1]) or tags[-1].strip()
+    """The final answer only: the last <answer>...</answer> (its \\boxed{} or anchored phrase if
+    any, else all of it), else the last \\boxed{}, else the text after the last '####', else an
+    anchored phrase ('Answer: 18'). None when there is none: math-verify would happily evaluate an
+    echoed question ('3+4' matches gold 7)."""
+    tag = last_tag(text)
+    if tag is not None:  # '<answer> The answer is 18. </answer>': the tag's own final answer
+        return last_boxed(tag) or anchored_answer(tag) or tag.strip()
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
     if "####" in text:
         return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
     return anchored_answer(text)
+
+
+def _tokens(answer):
+    """(kind, text) tokens of an answer (see _TOKEN). Bold '**' is dropped, the LaTeX thousands
+    separators in '1{,}000' and '1,\\!000' read as commas, and "isn't" as "is not"."""
+    readings = [("**", " "), ("{,}", ","), (",\\!", ","), ("n't", " not"), ("n\u2019t", " not")]
+    for old, new in readings:
+        answer = answer.replace(old, new)
+    return [(m.lastgroup, m.group()) for m in _TOKEN.finditer(answer)]
+
+
+def _expect(tokens, j, pattern):
+    """Match `pattern` (each a token's text, or "int" for a number without ',' or '.') at
+    tokens[j:], white space allowed between: (the index after the match, its "int"s' texts), or
+    None."""
+    ints = []
+    for want in pattern:
+        while j < len(tokens) and tokens[j][0] == "space":
+            j += 1
+        if j == len(tokens):
+            return None
+        kind, text = tokens[j]
+        if want == "int" and kind == "num" and text.isdigit():
+            ints.append(text)
+        elif want != text:
+            return None
+        j += 1
+    return j, ints
+
+
+def _fraction(tokens, i):
+    """The fraction of integers at tokens[i] (a/b, \\frac{a}{b}, \\frac ab): (the index after it,
+    a, b), or None."""
+    kind, text = tokens[i]
+    if kind == "num":
+        found = _expect(tokens, i + 1, ["/", "int"]) if text.isdigit() else None
+        return found and (found[0], int(text), int(found[1][0]))
+    if text not in _FRACTION_COMMANDS:
+        return None
+    found = _expect(tokens, i + 1, ["{", "int", "}", "{", "int", "}"])
+    if found:
+        return found[0], int(found[1][0]), int(found[1][1])
+    found = _expect(tokens, i + 1, ["int"])  # \frac12: one digit each
+    return found and len(found[1][0]) == 2 and (found[0], int(found[1][0][0]), int(found[1][0][1]))
+
+
+def _fold(tokens):
+    """Tokens as items (kind, text, value): a number, or a fraction of integers in lowest terms, is
+    one ("value", text, Fraction); a fraction that is not ('170/2', '\\frac{36}{2}', '3/1') is a
+    division left undone ("refused"); '^\\circ' or '^{\\circ}' is a degree sign ("unit")."""
+    items = []
+    i = 0
+    while i < len(tokens):
+        kind, text = tokens[i]
+        fraction = _fraction(tokens, i)
+        degree = text == "^" and (_expect(tokens, i + 1, ["\\circ"])
+                                  or _expect(tokens, i + 1, ["{", "\\circ", "}"]))
+        if fraction:
+            i, a, b = fraction
+            lowest = b > 1 and math.gcd(a, b) == 1
+            items.append(("value", text, Fraction(a, b)) if lowest else ("refused", text, None))
+        elif degree:
+            i = degree[0]
+            items.append(("unit", "\u00b0", None))
+        else:
+            i += 1
+            value = Fraction(text.replace(",", "")) if kind == "num" else None
+            items.append(("value" if kind == "num" else kind, text, value))
+    return items
+
+
+def _next_item(items, j):
+    """The first item after items[j] that is not white space, or None (white space is one token)."""
+    j += 1 + (j + 1 < len(items) and items[j + 1][0] == "space")
+    return items[j] if j < len(items) else None
+
+
+def _sign(items, k):
+    """Index of the '-' that is the sign of the value items[k] ('-3', '-$3', '$-3'), or None: it
+    stands just before the value (or its '$') and not after a number or a word ('12-3', 'x-3')."""
+    j = k - 1
+    if j > 0 and items[j][1] in ("$", "\\$"):
+        j -= 1
+    if j < 0 or items[j][1] not in ("-", "\u2212"):
+        return None
+    return j if j == 0 or items[j - 1][0] not in ("value", "word") else None
+
+
+def _allowed(items, j):
+    """Whether items[j] may stand beside the value: white space, punctuation, currency, %, units,
+    words and \\text; not a number word, an operator, a command other than \\text and its kind, nor
+    the words of an operation, a choice, a negation or a guess (_REFUSED_WORDS)."""
+    kind, text, _ = items[j]
+    if kind == "word":
+        return text.lower() not in _REFUSED_WORDS and text.lower() not in _NUMBER_WORDS
+    if kind == "cmd":
+        return text in _UNIT_COMMANDS
+    if text in ("-", "\u2212"):  # a hyphen joins two words ('per-day'); any other is a minus
+        return 0 < j < len(items) - 1 and items[j - 1][0] == items[j + 1][0] == "word"
+    if text == "/":  # '$18/day', 'dollars/day': per a unit; any other '/' is a division
+        after = _next_item(items, j)
+        return after is not None and after[0] == "word" and len(after[1]) > 1
+    return kind != "refused" and text not in _REFUSED_CHARS
+
+
+def _letter_stuck(items, k):
+    """A letter stuck to the value items[k] makes it a term: 'x2', '2x', '18 x' (but '18 a day')."""
+    if k > 0 and items[k - 1][0] == "word":
+        return True
+    after = _next_item(items, k)
+    if after is None or after[0] != "word" or len(after[1]) > 1:
+        return False
+    return items[k + 1][0] == "word" or after[1] not in ("a", "A", "I")
+
+
+def single_value(answer):
+    """The value (a Fraction) of an answer that is a single value, else None. docs/grpo.md#reward
+    One number, with a sign, thousands separators, decimals, currency, %, degrees, units and words
+    around it ('Janet makes $18 every day.'); a fraction of integers in lowest terms (3/4,
+    \\frac{3}{4}) is one value. Not a single value: a second number, in digits or words ('12 or
+    13', '47+38', '12 minus seven'), a division left undone ('170/2'), an operator or a command
+    ('\\sqrt{7225}', '18!', 'x^2'), a letter stuck to the number ('2x'), or the words of an
+    operation, a choice, a negation or a guess ('or', 'minus', 'impossible', 'maybe')."""
+    items = _fold(_tokens(answer))
+    values = [k for k, item in enumerate(items) if item[0] == "value"]
+    if len(values) != 1:
+        return None
+    k = values[0]
+    sign = _sign(items, k)
+    if _letter_stuck(items, k) or not all(_allowed(items, j) for j in range(len(items))
+                                          if j not in (k, sign)):
+        return None
+    return -items[k][2] if sign is not None else items[k][2]
 
 
 def _parse(latex):
@@ -124,12 +291,10 @@ def _parse(latex):
 
 
 def math_reward(completion, gold, timeout=5.0, counts=None):
-    """1.0 when math-verify judges the completion's final answer equal to `gold`, else 0.0. Never
-    raises; gives up after `timeout` s. `counts` (a Counter) tallies calls, no_answer, timeout, error.
-    A numeric gold (GSM8K, the toy) needs an answer with exactly one number (a fraction is one):
-    math-verify would pay '47+38' for 85 or a hedge like '18 or 19'. Units are fine: when it cannot
-    read '18 dollars', the number is compared. docs/grpo.md#reward"""
-    from math_verify import verify
+    """1.0 when the completion's final answer equals `gold`, else 0.0. Never raises; gives up after
+    `timeout` s. `counts` (a Counter) tallies calls, no_answer, timeout, error. A numeric gold
+    (GSM8K, the toy) needs an answer that is a single value ('18 dollars' is; '47+38', '170/2' and
+    '18 or 19' are not), compared exactly; math-verify judges any other. docs/grpo.md#reward"""
     counts = collections.Counter() if counts is None else counts
     counts["calls"] += 1
     answer = extract_answer(completion) if isinstance(completion, str) else None
@@ -137,20 +302,16 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
         counts["no_answer"] += 1
         return 0.0
     gold = str(gold).strip()
-    numbers = re.findall(_NUMBER, re.sub(_FRACTION, " 1 ", answer))
-    numeric_gold = re.fullmatch(_NUMBER, gold) is not None
-    if numeric_gold and len(numbers) != 1:
-        return 0.0
+    if re.fullmatch(_NUMBER, gold):
+        value = single_value(answer)
+        return float(value is not None and value == Fraction(gold.replace(",", "")))
+    from math_verify import verify
     try:
         with time_limit(timeout):
             gold_parsed = _parse(gold)
-            if gold_parsed and verify(gold_parsed, _parse(answer), timeout_seconds=None):  # gold first
-                return 1.0
-            units = _WITH_UNITS.fullmatch(answer) if numeric_gold else None
-            if units:
-                value = float(units.group(1).replace(",", ""))
-                return float(abs(value - float(gold.replace(",", ""))) < 1e-6)
-            return 0.0
+            if not gold_parsed:
+                return 0.0
+            return float(verify(gold_parsed, _parse(answer), timeout_seconds=None))  # gold first
     except (KeyboardInterrupt, SystemExit):
         raise
     except VerifyTimeout:

@@ -1,11 +1,15 @@
 """math_reward: right and wrong answers in GSM8K and MATH style, no credit without a final answer, bounded time,
 never raises, failures counted."""
 import collections
+import multiprocessing
+import os
+import re
 import time
+from fractions import Fraction
 
 import pytest
 
-from common import VerifyTimeout, extract_answer, math_reward, score, time_limit
+from common import VerifyTimeout, extract_answer, math_reward, score, single_value, time_limit
 from plumbing import gold_answer
 
 RIGHT = [  # (completion, gold): each must score 1.0
@@ -30,7 +34,6 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("<answer>The result is \\boxed{27}</answer>", "27"),
     ("\\boxed{6} was wrong, I fix it: \\boxed{7}", "7"),  # the last box counts
     ("\\boxed{\\frac{1}{2}}", "0.5"),  # a fraction is one number
-    ("\\boxed{\\frac{36}{2}}", "18"),  # unsimplified but equal
     ("\\boxed 5", "5"),
     ("<answer>7/2</answer>", "3.5"),
     ("<answer>$18 per day</answer>", "18"),
@@ -51,6 +54,19 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("So the answer is 3\\sqrt{13}.", "3\\sqrt{13}"),
     ("The answer is \\text{Evelyn}.", "\\text{Evelyn}"),
     ("The answer is 17. Wait, the final answer is 18.", "18"),  # the last anchor counts
+    # a sentence in the tag: the tag's own anchored phrase, or its one number (issue 19)
+    ("<answer> The answer is 18. </answer>", "18"),
+    ("<answer>Janet makes $18 every day.</answer>", "18"),
+    ("<answer>x = 18</answer>", "18"),
+    # a single value with what it may carry (docs/grpo.md#reward)
+    ("<answer>18%</answer>", "18"),
+    ("<answer>$18/day</answer>", "18"),
+    ("<answer>-$3</answer>", "-3"),
+    ("<answer>1{,}000</answer>", "1000"),  # LaTeX's thousands separator
+    ("<answer>3/4</answer>", "0.75"),  # a fraction in lowest terms is one value
+    ("\\boxed{\\frac{3}{4}}", "0.75"),
+    ("<answer>3/4</answer>", "3/4"),  # a fraction gold: math-verify's to judge
+    ("<answer>\\frac{3}{4}</answer>", "3/4"),
 ]
 WRONG = [  # each must score 0.0
     ("<answer>17</answer>", "18"),
@@ -79,6 +95,18 @@ WRONG = [  # each must score 0.0
     ("\\boxed{", "5"),  # unbalanced
     ("", "5"),
     ("<answer></answer>", "5"),
+    # not a single value: a choice, an operation, a negation, a division or a root left undone (issue 19)
+    ("The answer is 12 or thirteen.", "12"),
+    ("The answer is 12 minus seven", "12"),
+    ("The answer: 12 is impossible", "12"),
+    ("<answer>170/2</answer>", "85"),
+    ("<answer>\\sqrt{7225}</answer>", "85"),
+    ("\\boxed{\\frac{36}{2}}", "18"),  # equal, but a division left undone, as 170/2
+    ("<answer>6/8</answer>", "0.75"),
+    ("<answer>maybe 18</answer>", "18"),
+    ("<answer>12 - 7</answer>", "5"),
+    ("<answer>18 x</answer>", "18"),
+    ("<answer>Janet makes $18 every day.</answer>", "19"),
 ]
 
 
@@ -99,6 +127,35 @@ def test_extract_answer_priorities():
     assert extract_answer("work\n#### 42\nmore") == "42"
     assert extract_answer("no marker 42") is None
     assert extract_answer("\\boxed 5 and then {x}") == "5"
+    assert extract_answer("<answer> The answer is 18. </answer>") == "18"  # the tag's own anchor
+    assert extract_answer("<answer>Janet makes $18.</answer>") == "Janet makes $18."
+    assert extract_answer("<answer>1</answer> <answer>2") == "1"  # an unclosed tag is no answer
+    assert extract_answer("<answer>1 <answer>2</answer></answer>") == "2"  # the last opening tag
+
+
+def test_single_value_by_hand():
+    """The value of an answer that is one value, None for an operation, a choice, a negation or a guess."""
+    values = {"18": 18, "-$1,000.50": Fraction(-2001, 2), "$-3": -3, "\\frac12": Fraction(1, 2),
+              "\\dfrac{14}{3} cups": Fraction(14, 3), "3 / 4": Fraction(3, 4), ".5": Fraction(1, 2),
+              "90^{\\circ}": 90, "18 \\text{ dollars}": 18, "**18**": 18, "1,\\!000": 1000,
+              "Tom has 12 more apples than Jerry.": 12, "She earns 18 dollars a day.": 18,
+              "a well-known 18": 18, "5km": 5}
+    for answer, want in values.items():
+        assert single_value(answer) == want, answer
+    for answer in ["12 or thirteen", "12 minus seven", "12 is impossible", "12 isn't right", "170/2", "3/1", "0/5",
+                   "\\sqrt{7225}", "\\frac{36}{2}", "47+38", "18!", "x^2", "2x", "x2", "18 x", "1,2", "12-3",
+                   "approximately 18", "18?", "18 \\pm 1", "twenty-one", "18 or so", "1.5/3", "", "dollars"]:
+        assert single_value(answer) is None, answer
+
+
+def test_the_docs_table_of_cases_is_what_math_reward_pays():
+    """docs/grpo.md#reward lists the single-value rule's cases: each row's reward is what math_reward gives."""
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "grpo.md")).read()
+    section = text.split('<a id="reward"></a>')[1].split("<a id=")[0]
+    rows = re.findall(r"^ *\| `(.+?)` \| `(.+?)` \| ([01]) \|", section, re.M)
+    assert len(rows) >= 20
+    for completion, gold, reward in rows:
+        assert math_reward(completion, gold) == float(reward), (completion, gold)
 
 
 def test_gold_answer_conventions():
@@ -117,6 +174,41 @@ def test_never_raises(bad):
     assert math_reward(bad, "1", timeout=1.0) == 0.0
     assert math_reward("\\boxed{1}", bad if isinstance(bad, str) else "1", timeout=1.0) in (0.0, 1.0)
     assert time.time() - t0 < 4.0
+
+
+ADVERSARIAL = [  # answers up to the reward's 1,000 characters, completions up to ~4,000
+    "<answer>5 ab" + " " * 990 + "!</answer>",  # one regex match took 1.3 s on this before issue 19
+    "The answer is 5 ab" + " " * 985 + "!",
+    "<answer>" + "5 ab " * 199 + "</answer>",
+    "<answer>" * 500 + "5",
+    "<answer>" + "1" * 990 + "</answer>",
+    "<answer>" + "a/" * 495 + "</answer>",
+    "<answer>" + "5" + " -" * 495 + "</answer>",
+    "<answer>" + "\\frac{" * 140 + "</answer>",
+    "\\boxed{" * 500,
+    "answer is " * 400 + "5",
+    "#### " + "5 " * 495,
+]
+
+
+def score_adversarial():
+    for _ in range(8):
+        score(ADVERSARIAL, ["5"] * len(ADVERSARIAL))
+
+
+def test_extraction_and_the_single_value_rule_finish_on_adversarial_inputs():
+    """The reward's alarm cannot interrupt a regex match inside C, so nothing before math-verify may backtrack: the
+    tokens of the single-value rule start each with their own kind of character and never give back what they
+    matched, the tag is found with str.rfind. A hang guard, not a speed claim: a child process scores these (8
+    batches) and is killed after 10 s; before issue 19 each of the first two took 1.3 s, 21 s in all."""
+    math_reward("\\boxed{1}", "x")  # imports math-verify here, before the fork
+    child = multiprocessing.get_context("fork").Process(target=score_adversarial)
+    child.start()
+    child.join(10)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0, "scoring adversarial completions did not finish within 10 s"
 
 
 def test_pathological_latex_returns_within_the_time_limit():
