@@ -24,14 +24,13 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
-from transformers import set_seed
 
 from common import (TOY_MODEL, Sample, default_token_budget, evaluate, group_advantages, load_model,
                     load_tokenizer, make_engine, make_optimizer, policy_update, rollout_seed, score,
                     sequence_logprobs, stop_token_ids, token_coefficients)
 from plumbing import (DATASETS, TEMPLATES, PhaseTimer, arg, batch_metrics, check_model, die,
                       load_checkpoint, load_dataset, log_row, open_metrics, parse_args, plot_metrics,
-                      prompt_token_ids, save_checkpoint, take_prompts, write_config)
+                      prompt_token_ids, save_checkpoint, set_seed, take_prompts, write_config)
 from varlen import attention_kernel
 
 METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json

@@ -45,6 +45,7 @@ def parse_args(cls, method, description, argv=None):
     fill the flags left at None; --out is chosen; every check of check_flags(). Returns (args, the
     names of the flags given on the command line). Nothing is written (on --resume, a checkpoint
     cut between save_checkpoint's two renames is first put back in place)."""
+    hub_offline()  # before the first import of huggingface_hub, which reads the verdict once
     from transformers import HfArgumentParser
     from transformers.hf_argparser import string_to_bool
     parser = HfArgumentParser(cls, description=description,
@@ -222,7 +223,9 @@ def read_jsonl(path):
 def hub_offline(timeout=3.0):
     """True when the hub is unreachable (or HF_HUB_OFFLINE is set); then HF_HUB_OFFLINE=1 is set, so
     transformers and datasets read their caches at once instead of retrying for half a minute. Must
-    run before huggingface_hub is imported (it reads the variable once): check_model runs first."""
+    run before huggingface_hub is imported (it reads the variable once, and transformers and datasets
+    take it from there): parse_args runs it first, and the scripts import nothing of Hugging Face's
+    before (set_seed below). No route to the hub fails in milliseconds (0.04 s measured here)."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", ""):
         return True
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
@@ -308,13 +311,20 @@ def epoch_order(n_rows, seed, epoch):
     return np.random.default_rng([seed, epoch]).permutation(n_rows)
 
 
+def set_seed(seed):
+    """transformers.set_seed (Python, numpy, torch), imported here, after parse_args: a script that
+    imported transformers at the top would import huggingface_hub before hub_offline() decides."""
+    from transformers import set_seed as seed_everything
+    seed_everything(seed)
+
+
 def first_line(e):
     return str(e).splitlines()[0][:200] if str(e) else ""
 
 
 def check_model(path, trust_remote_code=False):
     """Fail fast (exit 2) on a model that is neither a local folder nor reachable on the hub."""
-    offline = hub_offline()  # before the first import of huggingface_hub (see hub_offline)
+    offline = hub_offline()  # parse_args decided it, before the first import of huggingface_hub
     from transformers import AutoConfig
     local = path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") != 1
     if local and not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):

@@ -140,3 +140,41 @@ def test_hub_offline_probe(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert plumbing.hub_offline() is True
     plumbing.hub_offline.cache_clear()
+
+
+OFFLINE_STATE = """
+import json, sys
+import grpo, two_grpo, cppo, dppo, mmr_grpo  # as the scripts import, in a fresh process
+imported_at_start = "huggingface_hub" in sys.modules
+
+def report(*args, **kwargs):  # main() reaches the data after parse_args and check_model: where it stops
+    import datasets.config, huggingface_hub.constants, transformers.utils.hub
+    print(json.dumps({"huggingface_hub imported by the imports": imported_at_start,
+                      "huggingface_hub": huggingface_hub.constants.HF_HUB_OFFLINE,
+                      "transformers": transformers.utils.hub.is_offline_mode(),
+                      "datasets": datasets.config.HF_HUB_OFFLINE}))
+    raise SystemExit(0)
+grpo.load_dataset = report
+sys.argv = ["grpo.py", "--out", sys.argv[1]]
+grpo.main()
+"""
+
+
+def test_an_unreachable_hub_makes_every_library_offline(tmp_path):
+    """huggingface_hub reads HF_HUB_OFFLINE once, at its import, and transformers and datasets take it from there: the
+    verdict of hub_offline() must come before the first import of any of them, or the model loader still goes through
+    the hub's retries while datasets is offline. A fresh process with no hub (a closed local port as HF_ENDPOINT)."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:  # a port nothing listens on: the connection is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if "OFFLINE" not in k and "PROXY" not in k.upper()}
+    env["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"
+    result = subprocess.run([sys.executable, "-c", OFFLINE_STATE, str(tmp_path / "out")], capture_output=True,
+                            text=True, timeout=300, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    state = json.loads(result.stdout.strip().splitlines()[-1])
+    assert state == {"huggingface_hub imported by the imports": False, "huggingface_hub": True, "transformers": True,
+                     "datasets": True}, state
