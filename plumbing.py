@@ -397,10 +397,14 @@ def recover_checkpoint(out):
 
 
 def load_checkpoint(out, optimizer, scheduler):
-    """Restore optimiser, scheduler and RNGs; returns the state (step, cursor)."""
+    """Restore optimiser, scheduler and RNGs; returns the state (step, cursor). state.pt loads onto
+    the CPU, not the device that wrote it, so a GPU run resumes on a CPU-only machine; the optimiser
+    moves its moments onto its parameters' device and keeps its step counts on the CPU, as a run
+    that never stopped has them."""
     path = os.path.join(out, "checkpoint", "state.pt")
     try:
-        state = torch.load(path, weights_only=True)  # a shared run folder must not run code here
+        # weights_only: a shared run folder must not run code here
+        state = torch.load(path, map_location="cpu", weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         py = state["rng"]["python"]

@@ -2,6 +2,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from common import make_optimizer
@@ -54,3 +55,28 @@ def test_resume_drops_rows_after_the_checkpoint_and_a_cut_line(tmp_path):
     f.write(json.dumps({"step": 5}) + "\n")
     f.close()
     assert [json.loads(line)["step"] for line in open(path)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_checkpoint_written_on_a_gpu_resumes_on_this_device(tiny, tmp_path, monkeypatch):
+    """--resume of a GPU run on a CPU-only machine: state.pt's tensors say 'cuda:0' (written here by making torch.save
+    tag every storage so, as a GPU run's are), and must load onto the model's device with the optimiser state on it."""
+    model, tokenizer = tiny
+    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # AdamW state: exp_avg, exp_avg_sq per parameter
+    optimizer.zero_grad()
+    want = {k: v.clone() for k, v in optimizer.state[next(model.parameters())].items()}
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        save_checkpoint(str(tmp_path), model, tokenizer, optimizer, scheduler, step=2, cursor=16)
+    if not torch.cuda.is_available():  # the file really claims a GPU: a plain load fails here
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(tmp_path / "checkpoint" / "state.pt", weights_only=True)
+    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
+    state = load_checkpoint(str(tmp_path), optimizer, scheduler)
+    assert (state["step"], state["cursor"]) == (2, 16)
+    got = optimizer.state[next(model.parameters())]
+    device = next(model.parameters()).device
+    assert got.keys() == want.keys() and all(got[k].device == device for k in ("exp_avg", "exp_avg_sq"))
+    assert all(torch.equal(got[k].cpu(), want[k].cpu()) for k in want)
