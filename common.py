@@ -775,11 +775,45 @@ def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=F
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn,
                                                  trust_remote_code=trust_remote_code).to(device)
     model.config.use_cache = False
+    check_packing(model, attn)
     if frozen:
         return model.eval().requires_grad_(False)
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
+
+
+@torch.no_grad()
+def packing_leak(model):
+    """How far the log-probs of one of two short sequences packed in a row move when the other one
+    changes (the largest change, in nats): 0 when attention stays within each sequence. The same
+    kernel and shapes on both sides, so in bf16 too a correct model moves by rounding at most."""
+    vocab = model.get_input_embeddings().num_embeddings
+
+    def sample(seed, n_prompt, n_completion):  # fixed ids spread over the vocabulary
+        ids = [(seed * 7919 + 31 * k) % vocab for k in range(n_prompt + n_completion)]
+        return Sample(ids[:n_prompt], ids[n_prompt:])
+    a, b, a2, b2 = sample(1, 6, 5), sample(2, 4, 7), sample(3, 6, 5), sample(4, 4, 7)
+    n = len(a.completion_ids)
+    with_b, with_a = (packed_logprobs(model, pair, 1.0, None, 1024) for pair in ([a, b], [a, b2]))
+    after_a2 = packed_logprobs(model, [a2, b], 1.0, None, 1024)
+    moved = [(with_b[n:] - after_a2[n:]).abs().max(), (with_b[:n] - with_a[:n]).abs().max()]
+    return max(x.item() for x in moved)
+
+
+def check_packing(model, attn, tolerance=1e-3):
+    """Stop (exit 2) when the loaded model attends across the sequences of a packed row: a model
+    whose attention bypasses transformers' attention interface (remote code) would do it silently,
+    with any --attn (docs/grpo.md#packing-check). A few ms; dropout off while it runs."""
+    from plumbing import die  # plumbing imports this module
+    training = model.training
+    leak = packing_leak(model.eval())
+    model.train(training)
+    if not leak <= tolerance:  # NaN too
+        die(f"--attn {attn}: packed sequences attend to each other in this model (a log-prob moved "
+            f"by {leak:.3g} when the sequence packed beside it changed): its attention bypasses "
+            "transformers' attention interface, which every --attn relies on; use a model whose "
+            "attention goes through it")
 
 
 def autocast(device):

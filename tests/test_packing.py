@@ -262,3 +262,25 @@ def test_microbatch_split_never_changes_the_gradient(tiny, loss_agg):
     for stats, grads in results[1:]:
         assert stats["loss"] == pytest.approx(results[0][0]["loss"], abs=1e-6)
         assert_grads_close(grads, results[0][1])
+
+
+def test_a_model_whose_attention_crosses_packed_sequences_is_refused_at_load(tiny_dir, monkeypatch, capsys):
+    """A model whose attention ignores the packed layout (here: "varlen" made plain causal attention over the whole
+    row, as a --trust_remote_code model that bypasses transformers' attention interface would run) attends across the
+    sequences of a packed row with no error. load_model checks once: exit 2, one line naming --attn."""
+    import varlen
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def across_the_row(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                      is_causal=True)
+    monkeypatch.setattr(varlen, "varlen_attention", across_the_row)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            load_model(tiny_dir, torch.device("cpu"), attn="varlen")
+    finally:
+        monkeypatch.undo()
+        varlen.register_varlen()  # the real one again, for the models of the tests that follow
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert stop.value.code == 2 and len(errors) == 1 and errors[0].startswith("error: --attn varlen: packed"), errors
+    assert load_model(tiny_dir, torch.device("cpu"), attn="varlen") is not None  # the real attention passes
