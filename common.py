@@ -24,7 +24,7 @@ from fractions import Fraction
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from varlen import register_varlen, seq_layout
+from varlen import attention_dropout, register_varlen, seq_layout
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's CPU warnings drown the progress bar
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns that we run our own time limit
@@ -778,6 +778,12 @@ def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=F
     check_packing(model, attn)
     if frozen:
         return model.eval().requires_grad_(False)
+    dropout = attention_dropout(model.config)
+    if attn == "varlen" and dropout > 0:  # refused on every device: torch's CUDA kernel takes none
+        from plumbing import die
+        die(f"--attn varlen: the model trains with attention dropout {dropout:g}, which varlen "
+            "attention does not apply (torch's CUDA varlen kernel has none): use --attn sdpa, or "
+            "set it to 0 in the model's config.json")
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()

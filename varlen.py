@@ -61,31 +61,47 @@ def seq_layout(lengths, device):
 
 @functools.lru_cache(maxsize=None)
 def varlen_kernel(device_type):
-    """Picked once per process: on CUDA torch's varlen_attn, else flash-attn's, each only if a tiny
-    causal GQA fwd+bwd through it matches per-sequence sdpa; otherwise (and on CPU) sdpa-buckets."""
+    """Picked once per process: on CUDA torch's varlen_attn, else flash-attn's, each only if it
+    agrees with per-sequence sdpa forward and backward (kernel_agrees); otherwise (and on CPU)
+    sdpa-buckets."""
     if device_type != "cuda":
         return "sdpa-buckets"
     for name in ("torch-varlen", "flash-attn-varlen"):
         try:
-            with torch.enable_grad():  # the first caller may be under no_grad (sequence_logprobs)
-                q = torch.randn(24, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                k = torch.randn(24, 2, 64, device="cuda", dtype=torch.bfloat16)
-                v = torch.randn(24, 2, 64, device="cuda", dtype=torch.bfloat16)
-                cu = torch.tensor([0, 9, 24], dtype=torch.int32, device="cuda")
-                out = _cuda_varlen(name, q, k, v, cu, 15, 0.125)  # [24, 4, 64]
-                out.float().sum().backward()
-            ref = []
-            for a, b in ((0, 9), (9, 24)):
-                qs, ks, vs = (x[a:b].transpose(0, 1).float() for x in (q, k, v))  # [H, n, d]
-                ref.append(torch.nn.functional.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=True, scale=0.125, enable_gqa=True).transpose(0, 1))
-            if (out.float() - torch.cat(ref)).abs().max().item() < 3e-2:
+            if kernel_agrees(functools.partial(_cuda_varlen, name), "cuda", torch.bfloat16):
                 return name
-            print(f"varlen attention: {name} disagrees with causal sdpa, not used", file=sys.stderr)
+            print(f"varlen attention: {name} disagrees with causal sdpa (output or gradients), not "
+                  "used", file=sys.stderr)
         except Exception as e:  # not installed, or a torch whose varlen_attn lacks enable_gqa
             print(f"varlen attention: {name} unavailable ({type(e).__name__}: {str(e)[:120]})",
                   file=sys.stderr)
     return "sdpa-buckets"
+
+
+def kernel_agrees(attend, device, dtype, tolerance=3e-2):
+    """Whether attend(q, k, v, cu_seqlens, max_len, scale) (q [T, Hq, d], k and v [T, Hkv, d] ->
+    [T, Hq, d]) runs causal attention within each sequence: on two sequences of a tiny GQA case its
+    output and the gradients of q, k and v match fp32 per-sequence sdpa on the same inputs, each to
+    `tolerance` x the largest value of the reference (bf16 rounds to ~0.4%). The trainer needs the
+    backward as much as the forward; a kernel's backward can be wrong while its forward is right."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(24, h, 64, generator=g) for h in (4, 2, 2))
+    grad = torch.randn(24, 4, 64, generator=g)
+    inputs = [x.to(device, dtype).requires_grad_() for x in (q, k, v)]
+    cu = torch.tensor([0, 9, 24], dtype=torch.int32, device=device)
+    with torch.enable_grad():  # the first caller may be under no_grad (sequence_logprobs)
+        out = attend(*inputs, cu, 15, 0.125)  # [24, 4, 64]
+        out.backward(grad.to(device, out.dtype))
+    exact = [x.detach().float().cpu().requires_grad_() for x in inputs]  # the same rounded inputs
+    with torch.enable_grad():
+        ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1) for x in exact), is_causal=True, scale=0.125,
+            enable_gqa=True).transpose(0, 1) for a, b in ((0, 9), (9, 24))])  # [24, 4, 64]
+        ref.backward(grad)
+    pairs = [(out, ref)] + [(x.grad, y.grad) for x, y in zip(inputs, exact)]
+    return all(got is not None and got.shape == want.shape
+               and (got.float().cpu() - want).abs().max() <= tolerance * want.abs().max()
+               for got, want in pairs)
 
 
 def _cuda_varlen(name, q, k, v, cu_seqlens, max_len, scale):
@@ -122,6 +138,9 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                            "packed rows through common.packed_logprobs")
     if kwargs.get("sliding_window"):
         raise NotImplementedError("varlen attention has no sliding window: use --attn sdpa")
+    if dropout:  # torch's varlen_attn takes none: no kernel applies it, the same model on every device
+        raise NotImplementedError(f"varlen attention has no dropout (the model asks for "
+                                  f"{dropout:g} in training): use --attn sdpa, or a model without it")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, d]
     lay = seq_layout
     if lay.kernel != "sdpa-buckets":  # flash kernels take 16-bit inputs; RoPE leaves q, k in fp32
@@ -137,7 +156,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         view = [x[start:start + b * width].unflatten(0, (b, width)).transpose(1, 2)
                 for x in rows]  # [b, H, w, d]
         o = torch.nn.functional.scaled_dot_product_attention(
-            *view, dropout_p=dropout, is_causal=True, scale=scaling,
+            *view, is_causal=True, scale=scaling,
             enable_gqa=key.shape[1] != query.shape[1])  # [b, Hq, w, d]
         out.append(o.transpose(1, 2).flatten(0, 1))  # [b w, Hq, d]
         start += b * width
@@ -150,6 +169,16 @@ def register_varlen():
     from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register("varlen", varlen_attention)
     AttentionMaskInterface.register("varlen", varlen_mask)
+
+
+DROPOUT_NAMES = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+
+
+def attention_dropout(config):
+    """The attention dropout a model config sets, under the names transformers' models use (0.0
+    for none)."""
+    values = [getattr(config, name, None) for name in DROPOUT_NAMES]
+    return max([float(x) for x in values if isinstance(x, (int, float))] + [0.0])
 
 
 def attention_kernel(attn, device):

@@ -284,3 +284,71 @@ def test_a_model_whose_attention_crosses_packed_sequences_is_refused_at_load(tin
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert stop.value.code == 2 and len(errors) == 1 and errors[0].startswith("error: --attn varlen: packed"), errors
     assert load_model(tiny_dir, torch.device("cpu"), attn="varlen") is not None  # the real attention passes
+
+
+def test_attention_dropout_is_refused_with_varlen_on_every_device(tiny_dir, tmp_path, capsys):
+    """torch's CUDA varlen kernel takes no dropout (varlen_attn has no dropout_p), the CPU path used to apply it:
+    the same model trained differently on the two. Now refused on both: at load (one line naming --attn, exit 2)
+    and, for a config that names it otherwise, in the attention itself. sdpa applies it, and a frozen model has none."""
+    import json
+    import shutil
+    folder = tmp_path / "dropout"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    with pytest.raises(SystemExit) as stop:
+        load_model(str(folder), torch.device("cpu"), attn="varlen")
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert stop.value.code == 2 and len(errors) == 1 and errors[0].startswith("error: --attn varlen: the model trains "
+                                                                              "with attention dropout 0.1"), errors
+    assert load_model(str(folder), torch.device("cpu"), attn="varlen", frozen=True) is not None
+    model = load_model(str(folder), torch.device("cpu"), attn="sdpa")
+    model.config._attn_implementation = "varlen"  # as a model whose config calls its dropout by another name
+    samples = make_samples(model.config.vocab_size)
+    with pytest.raises(NotImplementedError, match="varlen attention has no dropout"):
+        packed_logprobs(model, samples, 1.0, None, 1024)
+
+
+def reference_attention(q, k, v, cu_seqlens, max_len, scale, causal=True):
+    """Per-sequence attention written out (softmax of masked scores), q [T, Hq, d], k and v [T, Hkv, d]."""
+    out = []
+    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [H, n, d]
+        ks, vs = (x.repeat_interleave(qs.shape[0] // x.shape[0], dim=0) for x in (ks, vs))
+        scores = qs @ ks.transpose(1, 2) * scale  # [Hq, n, n]
+        if causal:
+            scores = scores.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        out.append((scores.softmax(-1) @ vs).transpose(0, 1))
+    return torch.cat(out)
+
+
+class RightForwardWrongBackward(torch.autograd.Function):
+    """The forward of causal attention with the backward of attention without the causal mask: the kind of kernel
+    the old probe passed (it compared the forward only)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_len, scale):
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.scale = scale
+        return reference_attention(q, k, v, cu_seqlens, max_len, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, cu_seqlens = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+            out = reference_attention(*inputs, cu_seqlens, 0, ctx.scale, causal=False)
+            grads = torch.autograd.grad(out, inputs, grad)
+        return (*grads, None, None, None)
+
+
+def test_the_cuda_kernel_probe_checks_the_backward_too():
+    """varlen_kernel picks a CUDA kernel only if kernel_agrees: its output and the gradients of q, k and v against
+    per-sequence sdpa. Checked here with CPU stand-ins for a kernel: right (fp32 and bf16), attending across the
+    two sequences, and right forward with a wrong backward."""
+    from varlen import kernel_agrees
+    assert kernel_agrees(reference_attention, "cpu", torch.float32)
+    assert kernel_agrees(reference_attention, "cpu", torch.bfloat16)  # bf16 rounding stays within the tolerance
+    whole_row = lambda q, k, v, cu, n, scale: reference_attention(q, k, v, cu[[0, -1]], n, scale)
+    assert not kernel_agrees(whole_row, "cpu", torch.float32)
+    assert not kernel_agrees(RightForwardWrongBackward.apply, "cpu", torch.float32)
