@@ -10,9 +10,10 @@ Three parts (--parts picks):
              completions sampled per step, the same mu, beta, learning rate and aggregation), split
              into the phases each script logs, as ratios to GRPO next to the ratio its config.json
              promises (ideal_trained_fraction);
-  learning   (compare.py) each method's default command on the embedded toy, from the same base
-             model, for each seed: greedy held-out accuracy against steps and against training
-             wall-clock, and the time, steps and rollouts each method needed to reach --target.
+  learning   (compare.py) each method's default command on each built-in task (--datasets: toy,
+             chains), from the same base model, for each seed: greedy held-out accuracy against
+             steps and against training wall-clock, the time, steps and rollouts each method
+             needed to reach --target, and (chains) accuracy by chain length before and after.
 The breakdown and learning parts run the scripts themselves (`python cppo.py ...` in a subprocess)
 and read only their metrics.jsonl and config.json, so what is timed is what a user runs. Their
 wall-clock is the sum of the logged `step_s`: start-up (imports, loading, engine start) and
@@ -356,10 +357,17 @@ def main():
         if "step" in args.parts:
             lines += step_section(args, device, figures, plt)
         results = compare.run_scripts(args, runs)
-        if "breakdown" in args.parts:
-            lines += compare.breakdown_section(args, results, figures, plt)
-        if "learning" in args.parts:
-            lines += compare.learning_section(args, results, figures, plt)
+        number = 1 + ("step" in args.parts)
+        for dataset in args.datasets:
+            sections = []
+            if "breakdown" in args.parts:
+                sections.append(compare.breakdown_section)
+            if "learning" in args.parts:
+                sections += [compare.learning_section, compare.by_length_section]
+            for section in sections:
+                got = section(args, dataset, number, results, figures, plt)
+                number += bool(got)
+                lines += got
         minutes = (time.time() - started) / 60
         header = compare.report_header(command, minutes, device, results, args.rollout)
         compare.write_results(args.out, header + lines, figures)

@@ -7,6 +7,7 @@ mmr_s or pack_s), `rollouts` sampled and `trained_rollouts` per step, and `eval_
 config.json, "engine" and "ideal_trained_fraction" (the fraction of the sampled completions the
 method's arithmetic says its update trains on). No script is imported here.
 """
+import collections
 import datetime
 import importlib.metadata
 import json
@@ -21,8 +22,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common import REPO, TOY_MODEL
-from plumbing import DATASETS, RECIPE, check_model, die, load_dataset
+from common import (REPO, HFEngine, load_model, load_tokenizer, make_engine, score,
+                    stop_token_ids)
+from plumbing import DATASETS, RECIPE, check_built, check_model, die, load_dataset, prompt_token_ids
 
 METHODS = ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]
 PHASES = ["rollout_s", "reward_s", "logp_s", "update_s", "overhead_s", "other_s"]  # in step order
@@ -30,6 +32,7 @@ PHASE_NAMES = ["rollout", "reward", "old/ref log-probs", "update", "method overh
                "other (weight push, untimed)"]
 SHARED = ["rollout_s", "reward_s", "logp_s", "update_s", "push_s"]  # phases every script times
 NOT_PHASES = ["step_s", "tokens_per_s"]  # the whole step, and a rate
+TARGETS = {"toy": 0.95, "chains": 0.75}  # the accuracy whose first crossing is timed, per task
 
 # --------------------------------------------------------------------------------------------------
 # Flags
@@ -39,8 +42,10 @@ def add_flags(p):
     a = p.add_argument
     a("--methods", nargs="+", default=METHODS, choices=METHODS, help="scripts to compare (default: "
       "all five; the breakdown's ratios need grpo)")
-    a("--model", default=TOY_MODEL, help="--model passed to every script (default: toy/model)")
-    a("--dataset", default="toy", help="--dataset passed to every script (default: toy)")
+    a("--model", default=None, help="--model passed to every script (default: none, each task's "
+      "own model)")
+    a("--datasets", nargs="+", default=["toy", "chains"], help="--dataset passed to every script, "
+      "one report section each (default: the two built-in tasks, toy chains)")
     a("--rollout", default="auto", choices=["auto", "vllm", "hf"], help="--rollout passed to "
       "every script")
     a("--questions", type=int, default=16, help="breakdown: Q questions sampled per step by every "
@@ -58,8 +63,8 @@ def add_flags(p):
     a("--eval_every", type=int, default=5, help="learning: evaluate every N steps (default 5)")
     a("--eval_n", type=int, default=None, help="learning: held-out problems per evaluation "
       "(default: the scripts' own, 200 on the toy; --quick 100)")
-    a("--target", type=float, default=0.95, help="learning: the accuracy whose first crossing is "
-      "timed (default 0.95)")
+    a("--target", type=float, default=None, help="learning: the accuracy whose first crossing is "
+      f"timed (default: {', '.join(f'{d} {t}' for d, t in TARGETS.items())}, otherwise 0.5)")
 
 
 def fill_defaults(args):
@@ -80,7 +85,7 @@ def check(args):
     if args.breakdown_steps < 2:
         die("--breakdown_steps must be at least 2: the first step is a warm-up "
             f"(got {args.breakdown_steps})")
-    if not 0 < args.target <= 1:
+    if args.target is not None and not 0 < args.target <= 1:
         die(f"--target is an accuracy in (0, 1] (got {args.target})")
     breakdown = "breakdown" in args.parts
     kept = args.questions * (1 - args.pruning)
@@ -90,10 +95,12 @@ def check(args):
     if breakdown and "two_grpo" in args.methods and args.questions * args.group % 2:
         die(f"--questions x --group = {args.questions * args.group} rollouts cannot be split into "
             "2-GRPO's pairs")
-    if breakdown or "learning" in args.parts:
-        check_model(args.model)
+    for dataset in args.datasets if breakdown or "learning" in args.parts else []:
+        model = args.model or DATASETS.get(dataset, RECIPE).get("model", RECIPE["model"])
+        check_built(dataset, model)
+        check_model(model)
         try:
-            load_dataset(args.dataset, 20)
+            load_dataset(dataset, 20)
         except (ValueError, OSError) as e:
             die(str(e))
 
@@ -115,10 +122,15 @@ def matched_flags(method, Q, G, pruning):
     return ["--prompts_per_step", str(Q), "--group_size", str(G)]
 
 
-def script_flags(args, part, method, seed):
-    shared = ["--model", args.model, "--dataset", args.dataset, "--rollout", args.rollout]
+def target(args, dataset):
+    return args.target or TARGETS.get(dataset, 0.5)
+
+
+def script_flags(args, part, dataset, method, seed):
+    shared = ["--dataset", dataset, "--rollout", args.rollout]
+    shared += ["--model", args.model] if args.model else []
     if part == "breakdown":
-        lr = DATASETS.get(args.dataset, {}).get("lr", RECIPE["lr"])  # the same for every method
+        lr = DATASETS.get(dataset, {}).get("lr", RECIPE["lr"])  # the same for every method
         return [*shared, *matched_flags(method, args.questions, args.group, args.pruning),
                 "--steps", str(args.breakdown_steps), "--eval_every", "0", "--eval_n", "20",
                 "--mu", "2", "--beta", "0.04", "--lr", str(lr), "--lr_schedule", "constant",
@@ -134,6 +146,7 @@ def script_flags(args, part, method, seed):
 def run_script(method, flags, out):
     """python <method>.py <flags> --out <out>, output to <out>.log; returns its metrics.jsonl rows
     and config.json."""
+    out = os.path.abspath(out)  # config.json then names the run folder from anywhere
     cmd = [sys.executable, os.path.join(REPO, f"{method}.py"), *flags, "--out", out]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(out + ".log", "w") as log:
@@ -150,16 +163,21 @@ def run_script(method, flags, out):
 
 
 def run_scripts(args, runs):
-    """{(part, method, seed): (metrics rows, flags, config)} for the breakdown and learning parts."""
-    jobs = [("breakdown", m, 0) for m in args.methods if "breakdown" in args.parts]
-    jobs += [("learning", m, s) for s in args.seeds for m in args.methods if "learning" in args.parts]
+    """{(part, dataset, method, seed): (metrics rows, flags, config)} for the breakdown and learning
+    parts, and the run folders under `runs`."""
+    jobs = []
+    for d in args.datasets:
+        jobs += [("breakdown", d, m, 0) for m in args.methods if "breakdown" in args.parts]
+        jobs += [("learning", d, m, s) for s in args.seeds for m in args.methods
+                 if "learning" in args.parts]
     results = {}
     bar = tqdm(jobs, desc="bench: scripts", dynamic_ncols=True)
-    for part, method, seed in bar:
-        bar.set_postfix_str(f"{part} {method} seed {seed}")
-        flags = script_flags(args, part, method, seed)
-        rows, config = run_script(method, flags, os.path.join(runs, f"{part}-{method}-{seed}"))
-        results[part, method, seed] = (rows, flags, config)
+    for part, dataset, method, seed in bar:
+        bar.set_postfix_str(f"{dataset} {part} {method} seed {seed}")
+        flags = script_flags(args, part, dataset, method, seed)
+        out = os.path.join(runs, f"{dataset}-{part}-{method}-{seed}")
+        rows, config = run_script(method, flags, out)
+        results[part, dataset, method, seed] = (rows, flags, config)
     bar.close()
     return results
 
@@ -278,13 +296,14 @@ def plot_learning(plt, curves, target):
     return fig
 
 
-def breakdown_section(args, results, figures, plt):
-    runs = {m: results["breakdown", m, 0] for m in args.methods}
+def breakdown_section(args, dataset, number, results, figures, plt):
+    runs = {m: results["breakdown", dataset, m, 0] for m in args.methods}
     phases = {m: step_phases(rows) for m, (rows, _, _) in runs.items()}
     ideals = {m: ideal_ratios(config["ideal_trained_fraction"]) for m, (_, _, config) in runs.items()}
     grpo = phases.get("grpo")
     steps = {m: ideal_step(ideals[m], grpo) if grpo else None for m in args.methods}
-    figures["breakdown.png"] = plot_breakdown(plt, phases, steps)
+    plot = f"breakdown-{dataset}.png"
+    figures[plot] = plot_breakdown(plt, phases, steps)
     Q = args.questions
     G = args.group
     cppo = ""
@@ -293,7 +312,7 @@ def breakdown_section(args, results, figures, plt):
         sampled = config.get("questions_per_step", phases["cppo"]["rollouts"] / G)
         given = " ".join(flags[flags.index("--prompts_per_step"):][:2])
         cppo = f"; CPPO: `{given} --pruning {args.pruning}`, whose allocation sampled {sampled:g} questions"
-    lines = ["## 2. One step of each method at matched settings", "",
+    lines = [f"## {number}. `{dataset}`: one step of each method at matched settings", "",
              f"Every script samples the same {Q} questions × {G} completions = {Q * G} rollouts per "
              f"step (2-GRPO: {Q * G // 2} prompts × 2{cppo}), with μ = 2 (an old-log-prob pass), "
              "β = 0.04 (a reference pass), the same learning rate, a constant schedule and the "
@@ -320,22 +339,24 @@ def breakdown_section(args, results, figures, plt):
             cells = [f"{ph[p] / grpo[p]:.2f} ({ideals[m][p]:.3g})" for p in SHARED[:4]]
             lines.append(f"| {m} | " + " | ".join(cells) + f" | {ph['overhead_s'] / ph['step_s']:.1%}"
                          f" | {ph['step_s'] / grpo['step_s']:.2f} ({steps[m]:.2f}) |")
-    return lines + ["", "![seconds per step, by phase](results/breakdown.png)", ""]
+    return lines + ["", f"![seconds per step, by phase](results/{plot})", ""]
 
 
-def learning_section(args, results, figures, plt):
-    curves = {m: [curve(results["learning", m, s][0]) for s in args.seeds] for m in args.methods}
-    figures["learning.png"] = plot_learning(plt, curves, args.target)
-    shared = results["learning", args.methods[0], args.seeds[0]][1]
+def learning_section(args, dataset, number, results, figures, plt):
+    t = target(args, dataset)
+    curves = {m: [curve(results["learning", dataset, m, s][0]) for s in args.seeds]
+              for m in args.methods}
+    plot = f"learning-{dataset}.png"
+    figures[plot] = plot_learning(plt, curves, t)
+    shared = results["learning", dataset, args.methods[0], args.seeds[0]][1]
     extra = " ".join(shared[shared.index("--eval_every"):])
-    t = args.target
-    lines = ["## 3. Learning, side by side", "",
-             f"Each script's default command on `--dataset {args.dataset}` from the same base model, "
+    lines = [f"## {number}. `{dataset}`: learning, side by side", "",
+             f"Each script's default command on `--dataset {dataset}` from the same base model, "
              f"seeds {', '.join(map(str, args.seeds))}, plus `{extra}`. Greedy held-out accuracy; "
              "wall-clock is the sum of the logged step times (start-up and evaluations excluded). "
              f"With several seeds: mean [min–max]; *to {t}* counts the seeds whose accuracy reached "
              "it at an evaluation and averages over those.", "",
-             "![accuracy vs step and vs wall-clock](results/learning.png)", "",
+             f"![accuracy vs step and vs wall-clock](results/{plot})", "",
              f"| method | rollouts per step | final accuracy | best accuracy | seeds reaching {t} | "
              f"steps to {t} | training s to {t} | rollouts to {t} | training s, whole run | "
              "rollouts, whole run |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -349,6 +370,78 @@ def learning_section(args, results, figures, plt):
                  spread([h[3] for h in hits], ",.0f"),  # to the target: steps, seconds, rollouts
                  spread([p[2] for p in last], ".0f"), spread([p[3] for p in last], ",.0f")]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def by_length_section(args, dataset, number, results, figures, plt):
+    """Greedy held-out accuracy by chain length (how many numbers a question adds; rows with a
+    `numbers` field, as toy/chains writes them) of the initial policy and of every method's final
+    policy, averaged over seeds: what RL taught. Empty for a dataset without that field."""
+    path = os.path.join(DATASETS.get(dataset, {}).get("path", ""), "test.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        raw = [json.loads(line) for line in f if line.strip()]
+    if "numbers" not in raw[0]:
+        return []
+    runs = {(m, s): results["learning", dataset, m, s][2]["args"] for m in args.methods
+            for s in args.seeds}
+    first = next(iter(runs.values()))
+    tokenizer = load_tokenizer(first["model"])
+    raw = raw[:args.eval_n or len(raw)]
+    rows = [{"question": r["question"], "gold": r["answer"], "n": len(r["numbers"])} for r in raw]
+    rows = prompt_token_ids(tokenizer, rows, first["template"], first["max_prompt_len"])
+    policies = [("initial policy", 0, first["model"])]
+    policies += [(m, s, os.path.join(a["out"], "checkpoint", "model")) for (m, s), a in runs.items()]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    engine = None
+    hits = collections.defaultdict(list)  # (policy, n) -> rewards over seeds and problems
+    for name, _, folder in tqdm(policies, desc=f"bench: {dataset} accuracy by length",
+                                dynamic_ncols=True):
+        model = load_model(folder, device, frozen=True)
+        if engine is None:
+            engine = make_engine(args.rollout, model, tokenizer, folder, seed=0,
+                                 max_model_len=first["max_prompt_len"] + first["max_tokens"],
+                                 max_num_seqs=len(rows), vocab_size=len(tokenizer),
+                                 stop_ids=stop_token_ids(tokenizer, folder),
+                                 gpu_memory=first["vllm_gpu_memory"])
+        if isinstance(engine, HFEngine):
+            engine.model = model  # it generates with the model itself
+        engine.push(model)  # vLLM: a copy of the weights
+        out = engine.generate([r["prompt_ids"] for r in rows], n=1, temperature=0.0,
+                              max_tokens=first["max_tokens"], seed=0)
+        texts = tokenizer.batch_decode([o[0][0] for o in out], skip_special_tokens=True)
+        rewards, _ = score(texts, [r["gold"] for r in rows])
+        for r, reward in zip(rows, rewards):
+            hits[name, r["n"]].append(reward)
+    lengths = sorted({r["n"] for r in rows})
+    names = list(dict.fromkeys(p[0] for p in policies))
+    table = {name: [float(np.mean(hits[name, n])) for n in lengths] for name in names}
+    overall = {name: float(np.mean(sum((hits[name, n] for n in lengths), []))) for name in names}
+    plot = f"bylength-{dataset}.png"
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for name in names:
+        ax.plot(lengths, table[name], marker="o", ms=4, label=name,
+                ls="--" if name == "initial policy" else "-", color="black" if
+                name == "initial policy" else None)
+    ax.set_xlabel("numbers added in the question")
+    ax.set_ylabel("greedy held-out accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    figures[plot] = fig
+    count = collections.Counter(r["n"] for r in rows)
+    lines = [f"## {number}. `{dataset}`: accuracy by chain length, before and after training", "",
+             f"Greedy accuracy on the {len(rows)} held-out problems by how many numbers they add "
+             f"({', '.join(f'{count[n]} of {n}' for n in lengths)}), for the initial policy and "
+             "for each method's final policy of the learning runs above (mean over seeds "
+             f"{', '.join(map(str, args.seeds))}).", "",
+             f"![accuracy by chain length](results/{plot})", "",
+             "| policy | " + " | ".join(f"n = {n}" for n in lengths) + " | all |",
+             "|---|" + "---|" * (len(lengths) + 1)]
+    for name in names:
+        cells = " | ".join(f"{a:.2f}" for a in table[name])
+        lines.append(f"| {name} | {cells} | {overall[name]:.3f} |")
     return lines + [""]
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common import (TOY_MODEL, Sample, default_token_budget, evaluate, group_advantages, load_model,
+from common import (Sample, default_token_budget, evaluate, group_advantages, load_model,
                     load_tokenizer, make_engine, make_optimizer, policy_update, rollout_seed, score,
                     sequence_logprobs, stop_token_ids, token_coefficients)
 from plumbing import (DATASETS, TEMPLATES, PhaseTimer, arg, batch_metrics, check_model, die,
@@ -32,7 +32,7 @@ METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its b
 @dataclass
 class Args:
     # what to train, where to write
-    model: str = arg(TOY_MODEL, "policy: a Hugging Face model folder or hub id", shown="toy/model")
+    model: str = arg(None, "policy: a Hugging Face model folder or hub id")
     dataset: str = arg("toy", f"{' | '.join(DATASETS)} | a .jsonl file | a folder with train.jsonl "
                               "[+ test.jsonl]")
     out: str = arg("", "output folder", shown=f"runs/{METHOD}-<dataset>-<time>")
@@ -41,7 +41,7 @@ class Args:
     # rollout
     rollout: str = arg("auto", "engine: vllm, hf (transformers), auto (vllm if installed)",
                        choices=["auto", "vllm", "hf"])
-    prompts_per_step: int = arg(32, "B: prompts per step")
+    prompts_per_step: int = arg(None, "B: prompts per step")
     group_size: int = arg(8, "G: completions sampled per prompt")
     temperature: float = arg(1.0, "sampling temperature (the trainer divides its logits by it too)")
     max_tokens: int = arg(None, "maximum completion length in tokens")

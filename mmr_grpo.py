@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (TOY_MODEL, Sample, default_token_budget, evaluate, group_advantages, load_model,
+from common import (Sample, default_token_budget, evaluate, group_advantages, load_model,
                     load_tokenizer, make_engine, make_optimizer, policy_update, rollout_seed, score,
                     sequence_logprobs, stop_token_ids, token_coefficients)
 from plumbing import (DATASETS, TEMPLATES, PhaseTimer, arg, batch_metrics, check_model, die,
@@ -36,7 +36,7 @@ MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the paper's jina needs remo
 @dataclass
 class Args:
     # what to train, where to write
-    model: str = arg(TOY_MODEL, "policy: a Hugging Face model folder or hub id", shown="toy/model")
+    model: str = arg(None, "policy: a Hugging Face model folder or hub id")
     dataset: str = arg("toy", f"{' | '.join(DATASETS)} | a .jsonl file | a folder with train.jsonl "
                               "[+ test.jsonl]")
     out: str = arg("", "output folder", shown=f"runs/{METHOD}-<dataset>-<time>")
@@ -45,7 +45,7 @@ class Args:
     # rollout
     rollout: str = arg("auto", "engine: vllm, hf (transformers), auto (vllm if installed)",
                        choices=["auto", "vllm", "hf"])
-    prompts_per_step: int = arg(32, "B: prompts per step")
+    prompts_per_step: int = arg(None, "B: prompts per step")
     group_size: int = arg(8, "G: completions sampled per prompt")
     temperature: float = arg(1.0, "sampling temperature (the trainer divides its logits by it too)")
     max_tokens: int = arg(None, "maximum completion length in tokens")
@@ -87,19 +87,20 @@ class Args:
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it)")
     # MMR reweighting: docs/mmr_grpo.md
     embed_model: str = arg(None, "sentence-transformers encoder of the completions: a local "
-                                 "folder, a hub id, or toy",
-                           shown=f"toy for --dataset toy (toy/model, mean-pooled), else {MINILM}")
+                                 "folder, a hub id, or toy / chains (that task's base model)",
+                           shown=f"the built-in task's own base model, mean-pooled (toy, chains), "
+                                 f"else {MINILM}")
     sim_floor: bool = arg(True, "count negative similarities as 0 as the official code does "
                                 "(--no_sim_floor: the paper's Alg. 1)")
 
 
 def load_encoder(spec, device, trust_remote_code=False):
     """The completion encoder, in eval mode on the trainer's device (docs/mmr_grpo.md#encoder). A
-    sentence-transformers folder or hub id loads as it is. Any other model folder, and `toy`
-    (toy/model: the toy policy's initial weights, an offline stand-in), becomes transformer + mean
-    pooling over the plain text."""
+    sentence-transformers folder or hub id loads as it is. Any other model folder, and a built-in
+    task's name (`toy`, `chains`: that task's initial policy, an offline stand-in), becomes
+    transformer + mean pooling over the plain text."""
     from sentence_transformers import SentenceTransformer
-    path = TOY_MODEL if spec == "toy" else spec
+    path = DATASETS[spec]["model"] if "model" in DATASETS.get(spec, {}) else spec
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, "modules.json")):
         return SentenceTransformer(path, device=str(device),
                                    trust_remote_code=trust_remote_code).eval()
@@ -162,7 +163,8 @@ def mmr_reweight(rewards, embeddings, floor=True):
 def main():
     # ---------------------------------------------------------------- setup: every check first
     args, _ = parse_args(Args, METHOD, __doc__)  # (_: the flags given, see two_grpo.py)
-    args.embed_model = args.embed_model or ("toy" if args.dataset == "toy" else MINILM)
+    built_in = "model" in DATASETS.get(args.dataset, {})  # toy, chains: its own model encodes
+    args.embed_model = args.embed_model or (args.dataset if built_in else MINILM)
     check_model(args.model, args.trust_remote_code)
     try:
         train_rows, eval_rows = load_dataset(args.dataset, args.eval_n)

@@ -20,7 +20,7 @@ import urllib.parse
 import numpy as np
 import torch
 
-from common import MIN_VLLM, REPO, SEED_BITS, last_boxed, vllm_version
+from common import MIN_VLLM, REPO, SEED_BITS, TOY_MODEL, last_boxed, vllm_version
 
 # --------------------------------------------------------------------------------------------------
 # 1. Flags: a dataclass per script, parsed by transformers.HfArgumentParser, checked at once
@@ -73,7 +73,9 @@ def parse_args(cls, method, description, argv=None):
         flags = resumed_flags(flags, given)
     recipe = {**RECIPE, **DATASETS.get(flags["dataset"], {})}
     for key in RECIPE:
-        flags[key] = recipe[key] if flags[key] is None else flags[key]
+        if key in flags:
+            flags[key] = recipe[key] if flags[key] is None else flags[key]
+    check_built(flags["dataset"], flags.get("model"))
     if not flags["out"]:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         flags["out"] = os.path.join("runs", f"{method}-{os.path.basename(flags['dataset'].rstrip('/'))}-{stamp}")
@@ -163,10 +165,16 @@ TEMPLATES = {  # name -> (system prompt or None, user message with {question})
     "verl_gsm8k": (None, "{question} Let's think step by step and output the final answer after "
                          "\"####\"."),
 }
-RECIPE = dict(template="plain", lr=1e-6, max_tokens=1024, steps=0, eval_every=50, eval_n=500)
-DATASETS = {
-    "toy": dict(path=os.path.join(REPO, "toy", "data"), template="plain", lr=3e-4, max_tokens=24,
-                steps=40, eval_every=10, eval_n=200),
+RECIPE = dict(model=TOY_MODEL, template="plain", prompts_per_step=32, lr=1e-6, max_tokens=1024,
+              steps=0, eval_every=50, eval_n=500)
+CHAINS = os.path.join(REPO, "toy", "chains")
+DATASETS = {  # the built-in tasks name their model and the script that builds both
+    "toy": dict(path=os.path.join(REPO, "toy", "data"), model=TOY_MODEL, build="toy/build.py",
+                template="plain", prompts_per_step=32, lr=3e-4, max_tokens=24, steps=40,
+                eval_every=10, eval_n=200),
+    "chains": dict(path=os.path.join(CHAINS, "data"), model=os.path.join(CHAINS, "model"),
+                   build="toy/chains/build.py", template="plain", prompts_per_step=16, lr=3e-4,
+                   max_tokens=200, steps=80, eval_every=10, eval_n=300),
     "gsm8k": dict(hub=("openai/gsm8k", "main", "train"), test=("openai/gsm8k", "main", "test"),
                   template="cppo_gsm8k"),
     "math": dict(hub=("DigitalLearningGmbH/MATH-lighteval", None, "train"),
@@ -178,9 +186,24 @@ OFFLINE_HINT = ("the Hugging Face hub cannot be reached from here and there is n
 
 
 def recipe_help(name):
-    """The defaults of a recipe flag, for --help: 'toy 40, otherwise 0'."""
-    named = [f"{d} {entry[name]}" for d, entry in DATASETS.items() if name in entry]
-    return ", ".join(named + [f"otherwise {RECIPE[name]}"])
+    """The defaults of a recipe flag, for --help: 'toy 40, chains 80, otherwise 0'."""
+    def shown(value):  # the built-in models as paths from the repository
+        return os.path.relpath(value, REPO) if str(value).startswith(REPO) else value
+    named = [f"{d} {shown(entry[name])}" for d, entry in DATASETS.items() if name in entry]
+    return ", ".join(named + [f"otherwise {shown(RECIPE[name])}"])
+
+
+def check_built(dataset, model):
+    """A built-in task whose files are missing (a clone without them, or a failed build): say how
+    to build them."""
+    entry = DATASETS.get(dataset, {})
+    if "build" not in entry:
+        return
+    needed = [entry["path"]] + ([model] if model == entry["model"] else [])
+    missing = [p for p in needed if not os.path.isdir(p)]
+    if missing:
+        die(f"--dataset {dataset}: {os.path.relpath(missing[0], REPO)} is missing: build it with "
+            f"`python {entry['build']}`")
 
 
 def gold_answer(row):

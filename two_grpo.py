@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (TOY_MODEL, Sample, default_token_budget, evaluate, group_advantages, load_model,
+from common import (Sample, default_token_budget, evaluate, group_advantages, load_model,
                     load_tokenizer, make_engine, make_optimizer, policy_update, rollout_seed, score,
                     sequence_logprobs, stop_token_ids, token_coefficients)
 from plumbing import (DATASETS, TEMPLATES, PhaseTimer, arg, batch_metrics, check_flags, check_model,
@@ -40,7 +40,7 @@ METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its b
 @dataclass
 class Args:
     # what to train, where to write
-    model: str = arg(TOY_MODEL, "policy: a Hugging Face model folder or hub id", shown="toy/model")
+    model: str = arg(None, "policy: a Hugging Face model folder or hub id")
     dataset: str = arg("toy", f"{' | '.join(DATASETS)} | a .jsonl file | a folder with train.jsonl "
                               "[+ test.jsonl]")
     out: str = arg("", "output folder", shown=f"runs/{METHOD}-<dataset>-<time>")
@@ -50,8 +50,8 @@ class Args:
     rollout: str = arg("auto", "engine: vllm, hf (transformers), auto (vllm if installed)",
                        choices=["auto", "vllm", "hf"])
     prompts_per_step: int = arg(None, "B: prompts per step",
-                                shown="256 (paper: 256 x 2 = 16-GRPO's 32 x 16); toy: 128 "
-                                      "(= grpo.py's 32 x 8)")
+                                shown="256 (paper: 256 x 2 = 16-GRPO's 32 x 16); built-in tasks: "
+                                      "grpo.py's rollouts in pairs, toy 128 (32 x 8), chains 64")
     group_size: int = arg(2, "G: completions sampled per prompt (the method is G = 2)")
     temperature: float = arg(1.0, "sampling temperature (the trainer divides its logits by it too)")
     max_tokens: int = arg(None, "maximum completion length in tokens")
@@ -81,8 +81,8 @@ class Args:
     # optimisation
     steps: int = arg(None, "training steps (0 = one pass over the training prompts)")
     lr: float = arg(None, "AdamW learning rate",
-                    shown="the dataset's GRPO rate x B / 32 (linear scaling): 8e-6 real; the toy "
-                          "keeps GRPO's 3e-4 (docs/two_grpo.md#toy)")
+                    shown="the dataset's GRPO rate x B / its GRPO B (linear scaling): 8e-6 real, "
+                          "1.2e-3 chains; the toy keeps GRPO's 3e-4 (docs/two_grpo.md#toy)")
     lr_schedule: str = arg("constant", "after the warm-up: constant, or cosine decay to 10%",
                            choices=["constant", "cosine"])
     warmup_steps: int = arg(10, "linear learning-rate warm-up, in optimiser steps")
@@ -122,21 +122,30 @@ def rows_to_train(samples, loss_agg, max_len, num_seqs, skip_tied):
     return keep, coefs[keep]
 
 
-def default_lr(grpo_lr, prompts_per_step, dataset):
-    """The paper's linear scaling rule: the dataset's GRPO rate (32 prompts per step) x B/32. Not on
+def default_prompts(grpo_prompts, dataset):
+    """B: on the built-in tasks grpo.py's rollouts per step (its B x G = 8) in pairs, as many
+    rollouts as the GRPO run they are compared with; on real data the paper's 256 pairs, 16-GRPO's
+    32 x 16 rollouts. docs/two_grpo.md#batch"""
+    return grpo_prompts * 8 // 2 if dataset in ("toy", "chains") else 256
+
+
+def default_lr(grpo_lr, prompts_per_step, grpo_prompts, dataset):
+    """The paper's linear scaling rule: the dataset's GRPO rate x B / the dataset's GRPO B. Not on
     the toy, where it is unstable (1.2e-3 peaks, then falls back: docs/two_grpo.md#toy); there the
     GRPO rate itself, the one rate that reached 0.95 and stayed there for three seeds of three."""
-    return grpo_lr if dataset == "toy" else grpo_lr * prompts_per_step / 32
+    return grpo_lr if dataset == "toy" else grpo_lr * prompts_per_step / grpo_prompts
 
 
 def main():
     # ---------------------------------------------------------------- setup: every check first
     args, given = parse_args(Args, METHOD, __doc__)
-    # 8x the prompts at 8x the rate of the GRPO recipe: 16-GRPO's rollouts per step
-    # (docs/two_grpo.md#batch); a resumed run keeps the rate it was started with
-    args.prompts_per_step = args.prompts_per_step or (128 if args.dataset == "toy" else 256)
+    # more prompts at a proportionally higher rate than the dataset's GRPO recipe, whose B and lr
+    # parse_args filled in (docs/two_grpo.md#batch); a resumed run keeps what it started with
+    grpo_prompts = args.prompts_per_step
+    if "prompts_per_step" not in given and not args.resume:
+        args.prompts_per_step = default_prompts(grpo_prompts, args.dataset)
     if "lr" not in given and not args.resume:
-        args.lr = default_lr(args.lr, args.prompts_per_step, args.dataset)
+        args.lr = default_lr(args.lr, args.prompts_per_step, grpo_prompts, args.dataset)
     if args.resample and args.resample_cap < 1:
         die(f"--resample_cap must be at least 1 (got {args.resample_cap})")
     check_flags(vars(args))  # again, with B known: it bounds the rollouts per step

@@ -119,7 +119,7 @@ def test_bench_refuses_impossible_flags_before_any_work(tmp_path):
     out = tmp_path / "out"
     for flags, word in [(["--questions", "10"], "whole number"), (["--breakdown_steps", "1"], "warm-up"),
                         (["--target", "1.5"], "--target"), (["--model", str(tmp_path / "nope")], "--model"),
-                        (["--dataset", str(tmp_path / "nope.jsonl")], "--dataset")]:
+                        (["--datasets", str(tmp_path / "nope.jsonl")], "--dataset")]:
         result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *flags, "--out", str(out)],
                                 capture_output=True, text=True, timeout=120, cwd=REPO)
         assert result.returncode == 2, (flags, result.stderr[-500:])
@@ -133,12 +133,13 @@ def test_bench_quick_writes_the_report(tiny_dir, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--quick", "--shape", tiny_dir,
                              "--sequences", "16", "--budgets", "256", "--breakdown_steps", "2", "--learn_steps", "2",
-                             "--eval_every", "1", "--eval_n", "8", "--rollout", "hf", "--out", str(out)],
+                             "--eval_every", "1", "--eval_n", "8", "--rollout", "hf", "--datasets", "toy",
+                             "--out", str(out)],
                             capture_output=True, text=True, timeout=900, cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     text = (out / "results.md").read_text()
-    for name in ["step.png", "breakdown.png", "learning.png"]:
+    for name in ["step.png", "breakdown-toy.png", "learning-toy.png"]:
         assert (out / "results" / name).read_bytes()[:4] == b"\x89PNG"
         assert f"(results/{name})" in text
     assert "HFEngine" in text and "python bench.py --quick" in text
@@ -149,6 +150,25 @@ def test_bench_quick_writes_the_report(tiny_dir, tmp_path):
     cppo = next(line for line in tables if line.startswith("| cppo | 256 → "))
     assert cppo.startswith("| cppo | 256 → 32 |")  # 16 questions x 16 sampled, 1 - P = 1/8 trained
     assert not [p for p in os.listdir(out) if p.startswith(".bench-")]  # no staging left behind
+    assert "chains" not in text and "by chain length" not in text  # the toy rows carry no chain length
+
+
+def test_bench_learning_on_chains_reports_accuracy_by_chain_length(tmp_path):
+    """The chains task adds a table of greedy accuracy per chain length, initial policy against each
+    method's final policy, read back from the runs' checkpoints."""
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--parts", "learning", "--datasets",
+                             "chains", "--methods", "grpo", "--seeds", "0", "--learn_steps", "1", "--eval_every",
+                             "1", "--eval_n", "12", "--rollout", "hf", "--out", str(out)],
+                            capture_output=True, text=True, timeout=900, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (out / "results.md").read_text()
+    assert "## 1. `chains`: learning, side by side" in text and "## 2. `chains`: accuracy by chain length" in text
+    assert (out / "results" / "bylength-chains.png").read_bytes()[:4] == b"\x89PNG"
+    rows = [line for line in text.splitlines() if line.startswith(("| initial policy |", "| grpo |"))]
+    assert len(rows) == 3  # learning: grpo; by length: the initial policy and grpo
+    assert "12 held-out problems" in text
 
 
 def test_only_the_full_run_writes_into_docs(monkeypatch):
