@@ -81,8 +81,8 @@ class Args:
     # optimisation
     steps: int = arg(None, "training steps (0 = one pass over the training prompts)")
     lr: float = arg(None, "AdamW learning rate",
-                    shown="the dataset's GRPO rate x B / its GRPO B (linear scaling): 8e-6 real, "
-                          "1.2e-3 chains; the toy keeps GRPO's 3e-4 (docs/two_grpo.md#toy)")
+                    shown="the dataset's GRPO rate x B / its GRPO B (linear scaling): 8e-6 real; "
+                          "toy and chains keep GRPO's 3e-4 (docs/two_grpo.md#toy)")
     lr_schedule: str = arg("constant", "after the warm-up: constant, or cosine decay to 10%",
                            choices=["constant", "cosine"])
     warmup_steps: int = arg(10, "linear learning-rate warm-up, in optimiser steps")
@@ -131,9 +131,9 @@ def default_prompts(grpo_prompts, dataset):
 
 def default_lr(grpo_lr, prompts_per_step, grpo_prompts, dataset):
     """The paper's linear scaling rule: the dataset's GRPO rate x B / the dataset's GRPO B. Not on
-    the toy, where it is unstable (1.2e-3 peaks, then falls back: docs/two_grpo.md#toy); there the
-    GRPO rate itself, the one rate that reached 0.95 and stayed there for three seeds of three."""
-    return grpo_lr if dataset == "toy" else grpo_lr * prompts_per_step / grpo_prompts
+    the built-in tasks, where it is unstable (toy: 1.2e-3 peaks, then falls back; chains: 1.2e-3
+    collapses to 0: docs/two_grpo.md#toy, #chains); there the GRPO rate itself."""
+    return grpo_lr if dataset in ("toy", "chains") else grpo_lr * prompts_per_step / grpo_prompts
 
 
 def main():
