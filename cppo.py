@@ -13,25 +13,21 @@ A_i, which is known before any forward pass (docs/cppo.md#eq-gradient), so:
 The maths, the defaults and every deviation from the paper and the official code: docs/cppo.md.
 
 Run:
-    python cppo.py                                                     # the built-in toy, CPU, ~3 minutes
-    python cppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset gsm8k  # one 80 GB GPU with vLLM installed
-    python cppo.py --pruning 0.5 --prune_scope question                # the paper's top-k, k = 8
-    python cppo.py --resume runs/cppo-gsm8k-20261122-101500             # continue an interrupted run
+    python cppo.py                                      # the built-in toy, CPU, ~2 minutes
+    python cppo.py --dataset chains                     # the second built-in task, CPU
+    python cppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset gsm8k  # one 80 GB GPU with vLLM
+    python cppo.py --pruning 0.5 --prune_scope question  # the paper's top-k, k = 8
+    python cppo.py --resume runs/cppo-gsm8k-20261122-101500  # continue an interrupted run
 """
-import math
 import os
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from common import (Sample, default_token_budget, evaluate, group_advantages, load_model,
-                    load_tokenizer, make_engine, make_optimizer, policy_update, rollout_seed, score,
-                    sequence_logprobs, stop_token_ids, token_coefficients)
-from plumbing import (DATASETS, TEMPLATES, PhaseTimer, arg, batch_metrics, check_model, die,
-                      load_checkpoint, load_dataset, log_row, open_metrics, parse_args, plot_metrics,
-                      prompt_token_ids, save_checkpoint, set_seed, take_prompts, write_config)
-from varlen import attention_kernel
+from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die, finish_step,
+                    group_advantages, parse_args, policy_update, recipe_arg, rollout_seed, score,
+                    sequence_logprobs, setup, take_prompts, token_coefficients)
 
 METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
 
@@ -39,7 +35,7 @@ METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its b
 @dataclass
 class Args:
     # what to train, where to write
-    model: str = arg(None, "policy: a Hugging Face model folder or hub id")
+    model: str = recipe_arg("model", "policy: a Hugging Face model folder or hub id")
     dataset: str = arg("toy", f"{' | '.join(DATASETS)} | a .jsonl file | a folder with train.jsonl "
                               "[+ test.jsonl]")
     out: str = arg("", "output folder", shown=f"runs/{METHOD}-<dataset>-<time>")
@@ -52,10 +48,10 @@ class Args:
                                    "completions fill")
     group_size: int = arg(16, "G: completions sampled per prompt")
     temperature: float = arg(1.0, "sampling temperature (the trainer divides its logits by it too)")
-    max_tokens: int = arg(None, "maximum completion length in tokens")
+    max_tokens: int = recipe_arg("max_tokens", "maximum completion length in tokens")
     max_prompt_len: int = arg(512, "prompts longer than this many tokens are dropped")
-    template: str = arg(None, "prompt template (system prompt and answer format)",
-                        choices=list(TEMPLATES))
+    template: str = recipe_arg("template", "prompt template (system prompt and answer format)",
+                               choices=list(TEMPLATES))
     vllm_gpu_memory: float = arg(0.3, "GPU memory fraction vLLM holds (weights + KV cache)")
     # pruning and allocation: docs/cppo.md
     pruning: float = arg(0.875, "P: fraction of the sampled completions pruned; B/(1-P) questions "
@@ -75,8 +71,8 @@ class Args:
                                     "(Dr. GRPO)", choices=["seq_mean", "token_mean", "constant"])
     tis_cap: float = arg(0.0, "truncated IS cap on pi_trainer/pi_engine per token (0 = off)")
     # optimisation
-    steps: int = arg(None, "training steps (0 = one pass over the training prompts)")
-    lr: float = arg(None, "AdamW learning rate")
+    steps: int = recipe_arg("steps", "training steps (0 = one pass over the training prompts)")
+    lr: float = recipe_arg("lr", "AdamW learning rate")
     lr_schedule: str = arg("cosine", "after the warm-up: constant, or cosine decay to 10%",
                            choices=["constant", "cosine"])
     warmup_steps: int = arg(None, "linear learning-rate warm-up, in optimiser steps",
@@ -92,8 +88,9 @@ class Args:
                               "eager build a dense [T, T] block-diagonal mask (reference paths)",
                     choices=["varlen", "sdpa", "eager"])
     # evaluation and checkpoints
-    eval_every: int = arg(None, "greedy held-out accuracy every N steps (0: start and end only)")
-    eval_n: int = arg(None, "held-out problems per evaluation")
+    eval_every: int = recipe_arg("eval_every", "greedy held-out accuracy every N steps (0: start "
+                                               "and end only)")
+    eval_n: int = recipe_arg("eval_n", "held-out problems per evaluation")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it)")
 
@@ -137,79 +134,27 @@ def prune_batch(adv, P):
 
 
 def main():
-    # ---------------------------------------------------------------- setup: every check first
     args, _ = parse_args(Args, METHOD, __doc__)  # (_: the flags given, see two_grpo.py)
     try:
         k = kept_per_question(args.group_size, args.pruning)
     except ValueError as e:
         die(str(e))
-    check_model(args.model, args.trust_remote_code)
-    try:
-        train_rows, eval_rows = load_dataset(args.dataset, args.eval_n)
-    except (ValueError, OSError) as e:
-        die(str(e))
-    set_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args.grad_ckpt = device.type == "cuda" if args.grad_ckpt is None else args.grad_ckpt
-    args.token_budget = args.token_budget or default_token_budget(device, args.attn)
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    if tokenizer.chat_template is None:
-        die(f"--model {args.model!r} has no chat template: use an instruct model or add one")
-    train_rows = prompt_token_ids(tokenizer, train_rows, args.template, args.max_prompt_len)
-    eval_rows = prompt_token_ids(tokenizer, eval_rows, args.template, args.max_prompt_len)
-    if not train_rows or not eval_rows:
-        split = "training" if not train_rows else "held-out"
-        die(f"every {split} prompt is longer than --max_prompt_len {args.max_prompt_len} tokens")
     B = args.prompts_per_step
     G = args.group_size
     Q = questions_to_sample(B, G, k)  # dynamic allocation: B/(1-P) questions, B x G kept rows
-    steps = args.steps or math.ceil(len(train_rows) / Q)
-    if args.warmup_steps is None:
-        args.warmup_steps = round(0.1 * steps * args.mu)
-    vocab_size = len(tokenizer)
-    stop_ids = stop_token_ids(tokenizer, args.model)
-
-    # ---------------------------------------------------------------- models, engine, optimiser
-    policy_path = os.path.join(args.out, "checkpoint", "model") if args.resume else args.model
-    model = load_model(policy_path, device, args.trust_remote_code, args.attn, args.grad_ckpt)
-    ref_model = None
-    if args.beta > 0:
-        ref_model = load_model(args.model, device, args.trust_remote_code, args.attn, frozen=True)
-    engine = make_engine(args.rollout, model, tokenizer, policy_path, seed=args.seed,
-                         max_model_len=args.max_prompt_len + args.max_tokens, max_num_seqs=Q * G,
-                         vocab_size=vocab_size, stop_ids=stop_ids, gpu_memory=args.vllm_gpu_memory,
-                         trust_remote_code=args.trust_remote_code)
-    optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_steps,
-                                          steps * args.mu, args.lr_schedule)
-    state = {"step": 0, "cursor": 0}
-    if args.resume:
-        state = load_checkpoint(args.out, optimizer, scheduler)
-    start = state["step"]
-    cursor = state["cursor"]
-    attention = attention_kernel(args.attn, device)
-    write_config(args.out, args, {"method": METHOD, "steps": steps, "engine": type(engine).__name__,
-                                  "device": str(device), "attention": attention,
-                                  "questions_per_step": Q, "kept_per_question": k,
-                                  "ideal_trained_fraction": k / G})  # = 1 - P of the rollouts
-    metrics = open_metrics(args.out, start if args.resume else None)
-    n_params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"{METHOD}: {n_params:.1f}M parameters on {device}, rollout {type(engine).__name__}, "
-          f"attention {attention}, {len(train_rows)} train / {len(eval_rows)} eval prompts, "
-          f"{steps} steps of {Q} x {G} sampled, {Q * k} kept ({args.prune_scope} scope), "
-          f"output {args.out}")
-    train_kw = dict(temperature=args.temperature, vocab_size=vocab_size,
-                    token_budget=args.token_budget, chunk=args.logprob_chunk)
-    if start >= steps:
-        print(f"nothing to do: {args.out} already finished {start} of {steps} steps (see --steps)")
-        return
-    eval_acc = None
-    if start == 0:
-        eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
-        log_row(metrics, {"step": 0, "eval_accuracy": eval_acc})
-        print(f"step 0: eval accuracy {eval_acc:.3f}")
+    run = setup(args, METHOD, questions=Q, about=f" sampled, {Q * k} kept ({args.prune_scope} scope)",
+                config={"questions_per_step": Q, "kept_per_question": k,
+                        "ideal_trained_fraction": k / G})  # = 1 - P of the rollouts
+    model = run.model
+    engine = run.engine
+    tokenizer = run.tokenizer
+    train_kw = run.train_kw
+    train_rows = run.train_rows
+    cursor = run.cursor
 
     # ---------------------------------------------------------------- training loop
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc=METHOD, dynamic_ncols=True)
+    bar = tqdm(range(run.start, run.steps), initial=run.start, total=run.steps, desc=METHOD,
+               dynamic_ncols=True)
     for step in bar:
         timer = PhaseTimer()
         # 1. rollout: G completions for each of Q = B/(1-P) prompts  (docs/cppo.md#eq-allocation)
@@ -218,14 +163,14 @@ def main():
             cursor += Q
             outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature,
                                       args.max_tokens, seed=rollout_seed(args.seed, step))
-            engine.sleep()  # outputs: Q lists of G (token ids, log-probs)
+            engine.sleep()  # outputs: per prompt, G (token ids, log-probs)
 
         # 2. reward, 3. advantages on the full group of G, not renormalised after pruning
         #    (docs/grpo.md#eq-advantage)
         with timer("reward"):
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
-            rewards, reward_counts = score(texts, [batch[j // G]["gold"] for j in range(Q * G)])
+            rewards, reward_counts = score(texts, [batch[k // G]["gold"] for k in range(len(texts))])
             rewards = torch.tensor(rewards).view(Q, G)  # [Q, G]
             advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [Q, G]
             samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(),
@@ -248,14 +193,16 @@ def main():
             old = None  # on-policy (mu = 1): old = logp.detach()
             if args.mu > 1:
                 old = sequence_logprobs(model, kept_samples, **train_kw)
-            ref = sequence_logprobs(ref_model, kept_samples, **train_kw) if ref_model else None
+            ref = None  # beta = 0: no reference model
+            if run.ref_model is not None:
+                ref = sequence_logprobs(run.ref_model, kept_samples, **train_kw)
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, optimizer, kept_samples, coefs, old_logps=old,
+                stats = policy_update(model, run.optimizer, kept_samples, coefs, old_logps=old,
                                       ref_logps=ref, beta=args.beta, eps_low=args.eps_low,
                                       eps_high=args.eps_high, tis_cap=args.tis_cap,
                                       grad_clip=args.grad_clip, **train_kw)
-                scheduler.step()
+                run.scheduler.step()
 
         # 5. the engine samples the next step with the new weights
         with timer("push"):
@@ -266,32 +213,22 @@ def main():
         kept_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in kept_samples)
         row = {
             "step": done,
-            **batch_metrics(rewards, samples, stop_ids, reward_counts),
+            **batch_metrics(rewards, samples, run.stop_ids, reward_counts),
             **stats,
             "rollouts": len(samples),
             "trained_rollouts": len(kept_samples),
-            "lr": scheduler.get_last_lr()[0],
+            "lr": run.scheduler.get_last_lr()[0],
             "questions": Q,
             "kept_frac": len(kept_samples) / len(samples),
             "questions_emptied": Q - len({i // G for i in kept}),
             "kept_zero_adv": sum(s.advantage == 0 for s in kept_samples) / len(kept_samples),
             **timer.seconds(),
         }
-        row["tokens_per_s"] = row["tokens"] / row["step_s"]  # "tokens": every sampled row's
         row["kept_token_frac"] = kept_tokens / row["tokens"]  # docs/cppo.md#eq-time-saved
-        if (args.eval_every and done % args.eval_every == 0) or done == steps:
-            eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
-            row["eval_accuracy"] = eval_acc
-        log_row(metrics, row)
-        acc = "-" if eval_acc is None else f"{eval_acc:.3f}"
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc,
-                        tok_s=f"{row['tokens_per_s']:.0f}")
-        if done % args.save_every == 0 or done == steps:
-            save_checkpoint(args.out, model, tokenizer, optimizer, scheduler, done, cursor)
-            plot_metrics(args.out)
+        finish_step(run, bar, row, cursor)  # evaluate, log, checkpoint when due
     bar.close()
-    print(f"done: eval accuracy {eval_acc:.3f} after {steps} steps; metrics, plot and checkpoint "
-          f"in {args.out}")
+    print(f"done: eval accuracy {run.eval_acc:.3f} after {run.steps} steps; metrics, plot and "
+          f"checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

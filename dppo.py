@@ -6,9 +6,9 @@ the abstract alone: docs/dppo.md marks what the paper states and what is ours. R
   * the update packs with a window-based greedy packer.
 
 Run:
-    python dppo.py                                                     # the built-in toy, CPU, ~2 minutes
-    python dppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset math   # one 80 GB GPU with vLLM installed
-    python dppo.py --resume runs/dppo-math-20261122-101500              # continue an interrupted run
+    python dppo.py                                    # the built-in toy, CPU, about a minute
+    python dppo.py --dataset chains                   # the second built-in task (two passes or more)
+    python dppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset math  # one 80 GB GPU with vLLM
 """
 import math
 import os
@@ -18,13 +18,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common import (Sample, default_token_budget, evaluate, group_advantages, load_model,
-                    load_tokenizer, make_engine, make_optimizer, policy_update, rollout_seed, score,
-                    sequence_logprobs, stop_token_ids, token_coefficients)
-from plumbing import (DATASETS, TEMPLATES, PhaseTimer, arg, batch_metrics, check_model, die,
-                      load_checkpoint, load_dataset, log_row, open_metrics, parse_args, plot_metrics,
-                      prompt_token_ids, save_checkpoint, set_seed, take_prompts, write_config)
-from varlen import attention_kernel
+from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, finish_step,
+                    group_advantages, parse_args, policy_update, recipe_arg, rollout_seed, score,
+                    sequence_logprobs, setup, take_prompts, token_coefficients)
+from common import check_at_least_one, die, packing_density
 
 METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
 
@@ -32,7 +29,7 @@ METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its b
 @dataclass
 class Args:
     # what to train, where to write
-    model: str = arg(None, "policy: a Hugging Face model folder or hub id")
+    model: str = recipe_arg("model", "policy: a Hugging Face model folder or hub id")
     dataset: str = arg("toy", f"{' | '.join(DATASETS)} | a .jsonl file | a folder with train.jsonl "
                               "[+ test.jsonl]")
     out: str = arg("", "output folder", shown=f"runs/{METHOD}-<dataset>-<time>")
@@ -41,13 +38,13 @@ class Args:
     # rollout
     rollout: str = arg("auto", "engine: vllm, hf (transformers), auto (vllm if installed)",
                        choices=["auto", "vllm", "hf"])
-    prompts_per_step: int = arg(None, "B: prompts per step")
+    prompts_per_step: int = recipe_arg("prompts_per_step", "B: prompts per step")
     group_size: int = arg(8, "G: completions sampled per prompt")
     temperature: float = arg(1.0, "sampling temperature (the trainer divides its logits by it too)")
-    max_tokens: int = arg(None, "maximum completion length in tokens")
+    max_tokens: int = recipe_arg("max_tokens", "maximum completion length in tokens")
     max_prompt_len: int = arg(512, "prompts longer than this many tokens are dropped")
-    template: str = arg(None, "prompt template (system prompt and answer format)",
-                        choices=list(TEMPLATES))
+    template: str = recipe_arg("template", "prompt template (system prompt and answer format)",
+                               choices=list(TEMPLATES))
     vllm_gpu_memory: float = arg(0.3, "GPU memory fraction vLLM holds (weights + KV cache)")
     # objective: docs/grpo.md
     std_mode: str = arg("unbiased", "advantage std: unbiased (ddof 1), population (ddof 0), none "
@@ -60,15 +57,14 @@ class Args:
     loss_agg: str = arg("seq_mean", "loss aggregation: seq_mean (GRPO), token_mean (DAPO), constant "
                                     "(Dr. GRPO)", choices=["seq_mean", "token_mean", "constant"])
     tis_cap: float = arg(0.0, "truncated IS cap on pi_trainer/pi_engine per token (0 = off)")
-    # pruning and packing: docs/dppo.md
     prune_prompts: float = arg(0.5, "r_q: probability of skipping a prompt whose last group had all-equal rewards")
     prune_completions: float = arg(0.5, "r_o: expected fraction of completions pruned (keep ~ |A|)")
     keep_floor: float = arg(0.1, "smallest keep probability of a prompt or completion (1/pi <= 1/floor)")
     lookahead: float = arg(2.0, "refill pruned prompts from at most lookahead x B prompts per step")
     window: int = arg(64, "sequences the greedy packer looks ahead over to fill a micro-batch")
     # optimisation
-    steps: int = arg(None, "training steps (0 = one pass over the training prompts)")
-    lr: float = arg(None, "AdamW learning rate")
+    steps: int = recipe_arg("steps", "training steps (0 = one pass over the training prompts)")
+    lr: float = recipe_arg("lr", "AdamW learning rate")
     lr_schedule: str = arg("constant", "after the warm-up: constant, or cosine decay to 10%",
                            choices=["constant", "cosine"])
     warmup_steps: int = arg(0, "linear learning-rate warm-up, in optimiser steps")
@@ -83,8 +79,9 @@ class Args:
                               "eager build a dense [T, T] block-diagonal mask (reference paths)",
                     choices=["varlen", "sdpa", "eager"])
     # evaluation and checkpoints
-    eval_every: int = arg(None, "greedy held-out accuracy every N steps (0: start and end only)")
-    eval_n: int = arg(None, "held-out problems per evaluation")
+    eval_every: int = recipe_arg("eval_every", "greedy held-out accuracy every N steps (0: start "
+                                               "and end only)")
+    eval_n: int = recipe_arg("eval_n", "held-out problems per evaluation")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it)")
 
@@ -156,80 +153,26 @@ def window_pack(lengths, budget, window):
     return bins
 
 
-def packing_density(lengths, bins, budget):
-    """Valid tokens over micro-batch capacity: sum(lengths) / sum_b max(budget, load_b). docs/dppo.md#eq-density"""
-    return sum(lengths) / max(1, sum(max(budget, sum(lengths[i] for i in b)) for b in bins))
-
-
 def main():
-    # ---------------------------------------------------------------- setup: every check first
     args, _ = parse_args(Args, METHOD, __doc__)  # (_: the flags given, see two_grpo.py)
     if not (0 <= args.prune_prompts < 1 and 0 <= args.prune_completions < 1 and 0 < args.keep_floor <= 1):
-        die(f"--prune_prompts and --prune_completions must be in [0, 1), --keep_floor in (0, 1] (got "
+        die("--prune_prompts and --prune_completions must be in [0, 1), --keep_floor in (0, 1] (got "
             f"{args.prune_prompts}, {args.prune_completions}, {args.keep_floor})")  # every pi > 0
-    check_model(args.model, args.trust_remote_code)
-    try:
-        train_rows, eval_rows = load_dataset(args.dataset, args.eval_n)
-    except (ValueError, OSError) as e:
-        die(str(e))
-    set_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args.grad_ckpt = device.type == "cuda" if args.grad_ckpt is None else args.grad_ckpt
-    args.token_budget = args.token_budget or default_token_budget(device, args.attn)
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    if tokenizer.chat_template is None:
-        die(f"--model {args.model!r} has no chat template: use an instruct model or add one")
-    train_rows = prompt_token_ids(tokenizer, train_rows, args.template, args.max_prompt_len)
-    eval_rows = prompt_token_ids(tokenizer, eval_rows, args.template, args.max_prompt_len)
-    if not train_rows or not eval_rows:
-        split = "training" if not train_rows else "held-out"
-        die(f"every {split} prompt is longer than --max_prompt_len {args.max_prompt_len} tokens")
-    steps = args.steps or math.ceil(len(train_rows) / args.prompts_per_step)
+    check_at_least_one(vars(args), ["window", "lookahead"])
+    run = setup(args, METHOD, config={"ideal_trained_fraction": 1 - args.prune_completions})
+    model = run.model
+    engine = run.engine
+    tokenizer = run.tokenizer
+    train_kw = run.train_kw
+    train_rows = run.train_rows
+    cursor = run.cursor
     B = args.prompts_per_step
     G = args.group_size
-    vocab_size = len(tokenizer)
-    stop_ids = stop_token_ids(tokenizer, args.model)
-
-    # ---------------------------------------------------------------- models, engine, optimiser
-    policy_path = os.path.join(args.out, "checkpoint", "model") if args.resume else args.model
-    model = load_model(policy_path, device, args.trust_remote_code, args.attn, args.grad_ckpt)
-    ref_model = None
-    if args.beta > 0:
-        ref_model = load_model(args.model, device, args.trust_remote_code, args.attn, frozen=True)
-    engine = make_engine(args.rollout, model, tokenizer, policy_path, seed=args.seed,
-                         max_model_len=args.max_prompt_len + args.max_tokens, max_num_seqs=B * G,
-                         vocab_size=vocab_size, stop_ids=stop_ids, gpu_memory=args.vllm_gpu_memory,
-                         trust_remote_code=args.trust_remote_code)
-    optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_steps,
-                                          steps * args.mu, args.lr_schedule)
-    state = {"step": 0, "cursor": 0}
-    if args.resume:
-        state = load_checkpoint(args.out, optimizer, scheduler)
-    start = state["step"]
-    cursor = state["cursor"]
-    history = state.get("history", {})  # row index -> did its last group tie (docs/dppo.md#eq-prompt-keep)
-    attention = attention_kernel(args.attn, device)
-    write_config(args.out, args, {"method": METHOD, "steps": steps, "engine": type(engine).__name__,
-                                  "device": str(device), "attention": attention,
-                                  "ideal_trained_fraction": 1 - args.prune_completions})  # expected
-    metrics = open_metrics(args.out, start if args.resume else None)
-    n_params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"{METHOD}: {n_params:.1f}M parameters on {device}, rollout {type(engine).__name__}, "
-          f"attention {attention}, {len(train_rows)} train / {len(eval_rows)} eval prompts, "
-          f"{steps} steps of {B} x {G}, output {args.out}")
-    train_kw = dict(temperature=args.temperature, vocab_size=vocab_size,
-                    token_budget=args.token_budget, chunk=args.logprob_chunk)
-    if start >= steps:
-        print(f"nothing to do: {args.out} already finished {start} of {steps} steps (see --steps)")
-        return
-    eval_acc = None
-    if start == 0:
-        eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
-        log_row(metrics, {"step": 0, "eval_accuracy": eval_acc})
-        print(f"step 0: eval accuracy {eval_acc:.3f}")
+    history = run.state.get("history", {})  # row -> did its last group tie? docs/dppo.md#eq-prompt-keep
 
     # ---------------------------------------------------------------- training loop
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc=METHOD, dynamic_ncols=True)
+    bar = tqdm(range(run.start, run.steps), initial=run.start, total=run.steps, desc=METHOD,
+               dynamic_ncols=True)
     for step in bar:
         timer = PhaseTimer()
         # 1. prompt pruning with refill (docs/dppo.md#eq-refill), then G completions for each kept prompt
@@ -245,7 +188,7 @@ def main():
             batch = [train_rows[i] for i in rows]
             outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature,
                                       args.max_tokens, seed=rollout_seed(args.seed, step))
-            engine.sleep()  # outputs: B' lists of G (token ids, log-probs)
+            engine.sleep()  # outputs: per prompt, G (token ids, log-probs)
 
         # 2. reward, 3. group advantages  (docs/grpo.md#eq-advantage)
         with timer("reward"):
@@ -271,7 +214,9 @@ def main():
             old = None  # on-policy (mu = 1): old = logp.detach()
             if args.mu > 1:
                 old = sequence_logprobs(model, kept, **train_kw)
-            ref = sequence_logprobs(ref_model, kept, **train_kw) if ref_model else None
+            ref = None  # beta = 0: no reference model
+            if run.ref_model is not None:
+                ref = sequence_logprobs(run.ref_model, kept, **train_kw)
         packed = {}  # the window packer's micro-batches, as the update ran them
 
         def pack(lengths, budget):  # timed where it runs, out of update_s (docs/dppo.md#eq-density)
@@ -281,25 +226,24 @@ def main():
             return packed["bins"]
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, optimizer, kept, coefs, old_logps=old,
+                stats = policy_update(model, run.optimizer, kept, coefs, old_logps=old,
                                       ref_logps=ref, beta=args.beta, eps_low=args.eps_low,
                                       eps_high=args.eps_high, tis_cap=args.tis_cap,
                                       grad_clip=args.grad_clip, pack=pack, **train_kw)
-                scheduler.step()
+                run.scheduler.step()
 
         # 5. the engine samples the next step with the new weights
         with timer("push"):
             engine.push(model)
 
         # ---------------------------------------------------------------- log, evaluate, save
-        done = step + 1
         row = {
-            "step": done,
-            **batch_metrics(rewards, samples, stop_ids, reward_counts),
+            "step": step + 1,
+            **batch_metrics(rewards, samples, run.stop_ids, reward_counts),
             **stats,
             "rollouts": len(samples),
             "trained_rollouts": len(kept),
-            "lr": scheduler.get_last_lr()[0],
+            "lr": run.scheduler.get_last_lr()[0],
             "prompts_examined": len(examined),
             "prompt_keep_frac": len(batch) / len(examined),
             "completion_keep_frac": len(kept) / len(samples),
@@ -309,21 +253,10 @@ def main():
             "pack_micro_batches": len(packed["bins"]),
             **timer.seconds(),
         }
-        row["tokens_per_s"] = row["tokens"] / row["step_s"]
-        if (args.eval_every and done % args.eval_every == 0) or done == steps:
-            eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
-            row["eval_accuracy"] = eval_acc
-        log_row(metrics, row)
-        acc = "-" if eval_acc is None else f"{eval_acc:.3f}"
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc,
-                        tok_s=f"{row['tokens_per_s']:.0f}")
-        if done % args.save_every == 0 or done == steps:
-            save_checkpoint(args.out, model, tokenizer, optimizer, scheduler, done, cursor,
-                            extra={"history": history})
-            plot_metrics(args.out)
+        finish_step(run, bar, row, cursor, {"history": history})  # evaluate, log, checkpoint when due
     bar.close()
-    print(f"done: eval accuracy {eval_acc:.3f} after {steps} steps; metrics, plot and checkpoint "
-          f"in {args.out}")
+    print(f"done: eval accuracy {run.eval_acc:.3f} after {run.steps} steps; metrics, plot and "
+          f"checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

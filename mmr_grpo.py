@@ -21,13 +21,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (Sample, default_token_budget, evaluate, group_advantages, load_model,
-                    load_tokenizer, make_engine, make_optimizer, policy_update, rollout_seed, score,
-                    sequence_logprobs, stop_token_ids, token_coefficients)
-from plumbing import (DATASETS, TEMPLATES, PhaseTimer, arg, batch_metrics, check_model, die,
-                      load_checkpoint, load_dataset, log_row, open_metrics, parse_args, plot_metrics,
-                      prompt_token_ids, save_checkpoint, set_seed, take_prompts, write_config)
-from varlen import attention_kernel
+from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die, finish_step,
+                    group_advantages, parse_args, policy_update, recipe_arg, rollout_seed, score,
+                    sequence_logprobs, setup, take_prompts, token_coefficients)
 
 METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the paper's jina needs remote code
@@ -36,7 +32,7 @@ MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the paper's jina needs remo
 @dataclass
 class Args:
     # what to train, where to write
-    model: str = arg(None, "policy: a Hugging Face model folder or hub id")
+    model: str = recipe_arg("model", "policy: a Hugging Face model folder or hub id")
     dataset: str = arg("toy", f"{' | '.join(DATASETS)} | a .jsonl file | a folder with train.jsonl "
                               "[+ test.jsonl]")
     out: str = arg("", "output folder", shown=f"runs/{METHOD}-<dataset>-<time>")
@@ -45,13 +41,13 @@ class Args:
     # rollout
     rollout: str = arg("auto", "engine: vllm, hf (transformers), auto (vllm if installed)",
                        choices=["auto", "vllm", "hf"])
-    prompts_per_step: int = arg(None, "B: prompts per step")
+    prompts_per_step: int = recipe_arg("prompts_per_step", "B: prompts per step")
     group_size: int = arg(8, "G: completions sampled per prompt")
     temperature: float = arg(1.0, "sampling temperature (the trainer divides its logits by it too)")
-    max_tokens: int = arg(None, "maximum completion length in tokens")
+    max_tokens: int = recipe_arg("max_tokens", "maximum completion length in tokens")
     max_prompt_len: int = arg(512, "prompts longer than this many tokens are dropped")
-    template: str = arg(None, "prompt template (system prompt and answer format)",
-                        choices=list(TEMPLATES))
+    template: str = recipe_arg("template", "prompt template (system prompt and answer format)",
+                               choices=list(TEMPLATES))
     vllm_gpu_memory: float = arg(0.3, "GPU memory fraction vLLM holds (weights + KV cache)")
     # objective: docs/grpo.md
     std_mode: str = arg("unbiased", "advantage std: unbiased (ddof 1), population (ddof 0), none "
@@ -65,8 +61,8 @@ class Args:
                                     "(Dr. GRPO)", choices=["seq_mean", "token_mean", "constant"])
     tis_cap: float = arg(0.0, "truncated IS cap on pi_trainer/pi_engine per token (0 = off)")
     # optimisation
-    steps: int = arg(None, "training steps (0 = one pass over the training prompts)")
-    lr: float = arg(None, "AdamW learning rate")
+    steps: int = recipe_arg("steps", "training steps (0 = one pass over the training prompts)")
+    lr: float = recipe_arg("lr", "AdamW learning rate")
     lr_schedule: str = arg("constant", "after the warm-up: constant, or cosine decay to 10%",
                            choices=["constant", "cosine"])
     warmup_steps: int = arg(0, "linear learning-rate warm-up, in optimiser steps")
@@ -81,8 +77,9 @@ class Args:
                               "eager build a dense [T, T] block-diagonal mask (reference paths)",
                     choices=["varlen", "sdpa", "eager"])
     # evaluation and checkpoints
-    eval_every: int = arg(None, "greedy held-out accuracy every N steps (0: start and end only)")
-    eval_n: int = arg(None, "held-out problems per evaluation")
+    eval_every: int = recipe_arg("eval_every", "greedy held-out accuracy every N steps (0: start "
+                                               "and end only)")
+    eval_n: int = recipe_arg("eval_n", "held-out problems per evaluation")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it)")
     # MMR reweighting: docs/mmr_grpo.md
@@ -161,19 +158,10 @@ def mmr_reweight(rewards, embeddings, floor=True):
 
 
 def main():
-    # ---------------------------------------------------------------- setup: every check first
     args, _ = parse_args(Args, METHOD, __doc__)  # (_: the flags given, see two_grpo.py)
     built_in = "model" in DATASETS.get(args.dataset, {})  # toy, chains: its own model encodes
     args.embed_model = args.embed_model or (args.dataset if built_in else MINILM)
-    check_model(args.model, args.trust_remote_code)
-    try:
-        train_rows, eval_rows = load_dataset(args.dataset, args.eval_n)
-    except (ValueError, OSError) as e:
-        die(str(e))
-    set_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args.grad_ckpt = device.type == "cuda" if args.grad_ckpt is None else args.grad_ckpt
-    args.token_budget = args.token_budget or default_token_budget(device, args.attn)
     try:  # ~100 MB next to a policy of GBs: loaded once, kept on the trainer's device for the run
         encoder = load_encoder(args.embed_model, device, args.trust_remote_code)
     except Exception as e:
@@ -181,59 +169,19 @@ def main():
         die(f"--embed_model {args.embed_model!r} could not be loaded ({type(e).__name__}: "
             f"{reason}): pass a local sentence-transformers folder, or --embed_model toy (the toy "
             "policy's weights, mean-pooled)")
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    if tokenizer.chat_template is None:
-        die(f"--model {args.model!r} has no chat template: use an instruct model or add one")
-    train_rows = prompt_token_ids(tokenizer, train_rows, args.template, args.max_prompt_len)
-    eval_rows = prompt_token_ids(tokenizer, eval_rows, args.template, args.max_prompt_len)
-    if not train_rows or not eval_rows:
-        split = "training" if not train_rows else "held-out"
-        die(f"every {split} prompt is longer than --max_prompt_len {args.max_prompt_len} tokens")
-    steps = args.steps or math.ceil(len(train_rows) / args.prompts_per_step)
+    run = setup(args, METHOD, about=f", encoder {args.embed_model}")
+    model = run.model
+    engine = run.engine
+    tokenizer = run.tokenizer
+    train_kw = run.train_kw
+    train_rows = run.train_rows
+    cursor = run.cursor
     B = args.prompts_per_step
     G = args.group_size
-    vocab_size = len(tokenizer)
-    stop_ids = stop_token_ids(tokenizer, args.model)
-
-    # ---------------------------------------------------------------- models, engine, optimiser
-    policy_path = os.path.join(args.out, "checkpoint", "model") if args.resume else args.model
-    model = load_model(policy_path, device, args.trust_remote_code, args.attn, args.grad_ckpt)
-    ref_model = None
-    if args.beta > 0:
-        ref_model = load_model(args.model, device, args.trust_remote_code, args.attn, frozen=True)
-    engine = make_engine(args.rollout, model, tokenizer, policy_path, seed=args.seed,
-                         max_model_len=args.max_prompt_len + args.max_tokens, max_num_seqs=B * G,
-                         vocab_size=vocab_size, stop_ids=stop_ids, gpu_memory=args.vllm_gpu_memory,
-                         trust_remote_code=args.trust_remote_code)
-    optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_steps,
-                                          steps * args.mu, args.lr_schedule)
-    state = {"step": 0, "cursor": 0}
-    if args.resume:
-        state = load_checkpoint(args.out, optimizer, scheduler)
-    start = state["step"]
-    cursor = state["cursor"]
-    attention = attention_kernel(args.attn, device)
-    write_config(args.out, args, {"method": METHOD, "steps": steps, "engine": type(engine).__name__,
-                                  "device": str(device), "attention": attention,
-                                  "ideal_trained_fraction": 1.0})  # the share of rollouts trained on
-    metrics = open_metrics(args.out, start if args.resume else None)
-    n_params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"{METHOD}: {n_params:.1f}M parameters on {device}, rollout {type(engine).__name__}, "
-          f"attention {attention}, {len(train_rows)} train / {len(eval_rows)} eval prompts, "
-          f"{steps} steps of {B} x {G}, encoder {args.embed_model}, output {args.out}")
-    train_kw = dict(temperature=args.temperature, vocab_size=vocab_size,
-                    token_budget=args.token_budget, chunk=args.logprob_chunk)
-    if start >= steps:
-        print(f"nothing to do: {args.out} already finished {start} of {steps} steps (see --steps)")
-        return
-    eval_acc = None
-    if start == 0:
-        eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
-        log_row(metrics, {"step": 0, "eval_accuracy": eval_acc})
-        print(f"step 0: eval accuracy {eval_acc:.3f}")
 
     # ---------------------------------------------------------------- training loop
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc=METHOD, dynamic_ncols=True)
+    bar = tqdm(range(run.start, run.steps), initial=run.start, total=run.steps, desc=METHOD,
+               dynamic_ncols=True)
     for step in bar:
         timer = PhaseTimer()
         # 1. rollout: G completions for each of B prompts
@@ -242,13 +190,13 @@ def main():
             cursor += B
             outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature,
                                       args.max_tokens, seed=rollout_seed(args.seed, step))
-            engine.sleep()  # outputs: B lists of G (token ids, log-probs)
+            engine.sleep()  # outputs: per prompt, G (token ids, log-probs)
 
         # 2. reward, 3. MMR-reweighted rewards, group advantages  (docs/mmr_grpo.md#eq-advantage)
         with timer("reward"):
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
-            rewards, reward_counts = score(texts, [batch[k // G]["gold"] for k in range(B * G)])
+            rewards, reward_counts = score(texts, [batch[k // G]["gold"] for k in range(len(texts))])
             rewards = torch.tensor(rewards).view(B, G)  # [B, G]
             with timer("mmr"):  # [B, G], [B], [B, G, G]
                 mmr, lam, sim = mmr_reweight(rewards, embed(encoder, texts), args.sim_floor)
@@ -264,14 +212,16 @@ def main():
             old = None  # on-policy (mu = 1): old = logp.detach()
             if args.mu > 1:
                 old = sequence_logprobs(model, samples, **train_kw)
-            ref = sequence_logprobs(ref_model, samples, **train_kw) if ref_model else None
+            ref = None  # beta = 0: no reference model
+            if run.ref_model is not None:
+                ref = sequence_logprobs(run.ref_model, samples, **train_kw)
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, optimizer, samples, coefs, old_logps=old,
+                stats = policy_update(model, run.optimizer, samples, coefs, old_logps=old,
                                       ref_logps=ref, beta=args.beta, eps_low=args.eps_low,
                                       eps_high=args.eps_high, tis_cap=args.tis_cap,
                                       grad_clip=args.grad_clip, **train_kw)
-                scheduler.step()
+                run.scheduler.step()
 
         # 5. the engine samples the next step with the new weights
         with timer("push"):
@@ -282,31 +232,21 @@ def main():
         off_diagonal = ~torch.eye(G, dtype=torch.bool)  # the pairs i != j of a group
         row = {
             "step": done,
-            **batch_metrics(rewards, samples, stop_ids, reward_counts),
+            **batch_metrics(rewards, samples, run.stop_ids, reward_counts),
             **stats,
             "rollouts": len(samples),
             "trained_rollouts": len(samples),
-            "lr": scheduler.get_last_lr()[0],
+            "lr": run.scheduler.get_last_lr()[0],
             **timer.seconds(),
             "mmr_lambda": lam.mean().item(),
             "mmr_similarity": sim[:, off_diagonal].sum().item() / max(1, B * G * (G - 1)),
             "silent_groups": (advantages == 0).all(dim=1).float().mean().item(),  # GRPO: zero_std
         }
-        row["tokens_per_s"] = row["tokens"] / row["step_s"]
         row["mmr_share"] = row["mmr_s"] / row["step_s"]  # evaluation excluded; the paper: 0.6-5.5%
-        if (args.eval_every and done % args.eval_every == 0) or done == steps:
-            eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
-            row["eval_accuracy"] = eval_acc
-        log_row(metrics, row)
-        acc = "-" if eval_acc is None else f"{eval_acc:.3f}"
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc,
-                        tok_s=f"{row['tokens_per_s']:.0f}")
-        if done % args.save_every == 0 or done == steps:
-            save_checkpoint(args.out, model, tokenizer, optimizer, scheduler, done, cursor)
-            plot_metrics(args.out)
+        finish_step(run, bar, row, cursor)  # evaluate, log, checkpoint when due
     bar.close()
-    print(f"done: eval accuracy {eval_acc:.3f} after {steps} steps; metrics, plot and checkpoint "
-          f"in {args.out}")
+    print(f"done: eval accuracy {run.eval_acc:.3f} after {run.steps} steps; metrics, plot and "
+          f"checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def test_padding_bound_by_hand():
 # ---------------------------------------------------------------- the side-by-side parts: every formula by hand
 
 def test_step_phases_read_the_logged_phases():
-    from compare import PHASES, step_phases
+    from bench import PHASES, step_phases
     rows = [{"step": 0, "eval_accuracy": 0.5},
             {"step": 1, "rollout_s": 99, "reward_s": 99, "logp_s": 9, "update_s": 99, "push_s": 9,
              "step_s": 999, "rollouts": 99, "trained_rollouts": 99},
@@ -80,7 +80,7 @@ def test_mfu_by_hand():
 
 
 def test_ideal_ratios_and_the_ideal_step():
-    from compare import ideal_ratios, ideal_step
+    from bench import ideal_ratios, ideal_step
     grpo = {"rollout_s": 1.0, "reward_s": 1.0, "logp_s": 2.0, "update_s": 4.0, "overhead_s": 0.0, "other_s": 2.0}
     cppo = ideal_ratios(0.125)  # config.json's ideal_trained_fraction: 1 - P
     assert cppo["logp_s"] == cppo["update_s"] == 0.125 and cppo["rollout_s"] == 1.0
@@ -90,7 +90,7 @@ def test_ideal_ratios_and_the_ideal_step():
 
 
 def test_matched_flags_sample_the_same_rollouts():
-    from compare import matched_flags
+    from bench import matched_flags
     from cppo import kept_per_question, questions_to_sample
     Q, G, P = 16, 16, 0.875
     for method in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
@@ -102,7 +102,7 @@ def test_matched_flags_sample_the_same_rollouts():
 
 
 def test_curve_and_first_reaching():
-    from compare import curve, first_reaching, spread
+    from bench import curve, first_reaching, spread
     rows = [{"step": 0, "eval_accuracy": 0.6}, {"step": 1, "step_s": 2.0, "rollouts": 10},
             {"step": 2, "step_s": 3.0, "rollouts": 10, "eval_accuracy": 0.9},
             {"step": 3, "step_s": 1.0, "rollouts": 30, "eval_accuracy": 0.85}]

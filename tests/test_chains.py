@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common import load_tokenizer, math_reward
-from plumbing import DATASETS, parse_args
+from common import DATASETS, parse_args
 from toy.chains.build import (DROP_CARRY, LENGTHS, REVERSED, add, make_splits, teacher,
                               teacher_accuracy, warm_problems, write_jsonl)
 
@@ -147,7 +147,7 @@ def test_model_generates_its_reasoning_in_the_vllm_engine():
     if os.environ.get("REQUIRE_VLLM") != "1":
         pytest.importorskip("vllm")
     from common import VLLMEngine, load_model
-    from plumbing import prompt_token_ids
+    from common import prompt_token_ids
     tokenizer = load_tokenizer(MODEL)
     model = load_model(MODEL, torch.device("cpu"), frozen=True)
     rows = [{"question": r["question"], "gold": r["answer"]} for r in committed("test")[:16]]

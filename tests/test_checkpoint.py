@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common import make_optimizer
-from plumbing import load_checkpoint, open_metrics, recover_checkpoint, save_checkpoint
+from common import load_checkpoint, open_metrics, recover_checkpoint, save_checkpoint
 
 
 def test_save_load_and_recover_after_a_kill_between_renames(tiny, tmp_path):

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import common
 import cppo
 from common import group_advantages
 
@@ -177,7 +178,7 @@ def test_pruned_rows_never_reach_the_old_reference_or_update_passes(tiny_dir, tm
         rows = [{"question": f"Compute 2 + 2 ({split} {i}).", "answer": "4"} for i in range(10)]
         (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     seen = []  # (model, grad enabled, step.q.i of every row in the pass)
-    tokenizer = cppo.load_tokenizer(tiny_dir)
+    tokenizer = common.load_tokenizer(tiny_dir)
 
     def spying_load_model(path, device, *args, frozen=False, **kw):
         model = cppo_load_model(path, device, *args, frozen=frozen, **kw)
@@ -188,7 +189,7 @@ def test_pruned_rows_never_reach_the_old_reference_or_update_passes(tiny_dir, tm
             seen.append((tag, torch.is_grad_enabled(), ROW.findall(text)))
         model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
         return model
-    cppo_load_model = cppo.load_model
+    cppo_load_model = common.load_model  # setup() loads the models and the engine
     updates = []
     real_update = cppo.policy_update
 
@@ -196,9 +197,9 @@ def test_pruned_rows_never_reach_the_old_reference_or_update_passes(tiny_dir, tm
         updates.append(([s.advantage for s in samples], coefs.clone(), [len(s.completion_ids) for s in samples],
                         sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)))
         return real_update(model, optimizer, samples, coefs, **kw)
-    monkeypatch.setattr(cppo, "load_model", spying_load_model)
+    monkeypatch.setattr(common, "load_model", spying_load_model)
     monkeypatch.setattr(cppo, "policy_update", spying_update)
-    monkeypatch.setattr(cppo, "make_engine", lambda kind, model, tok, *a, **kw: FakeEngine(tok))
+    monkeypatch.setattr(common, "make_engine", lambda kind, model, tok, *a, **kw: FakeEngine(tok))
     out = tmp_path / "run"
     monkeypatch.setattr(sys, "argv", ["cppo.py", "--model", tiny_dir, "--dataset", str(data), "--out", str(out),
                                       "--prompts_per_step", "2", "--group_size", "4", "--pruning", "0.5",

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from common import TOY_MODEL, load_tokenizer
-from plumbing import DATASETS, TEMPLATES, format_prompt, load_dataset, prompt_token_ids, take_prompts
+from common import DATASETS, TEMPLATES, format_prompt, load_dataset, prompt_token_ids, take_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,23 +123,23 @@ def test_hub_offline_probe(monkeypatch):
     """Unreachable hub -> HF_HUB_OFFLINE=1 for the process (caches only, no retries); set by the user -> trusted;
     behind a proxy -> no verdict from a direct connection."""
     import socket
-    import plumbing
+    import common
 
     def refuse(*args, **kwargs):
         raise OSError("no route")
     monkeypatch.setattr(socket, "create_connection", refuse)
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
-    plumbing.hub_offline.cache_clear()
-    assert plumbing.hub_offline() is True and os.environ["HF_HUB_OFFLINE"] == "1"
-    plumbing.hub_offline.cache_clear()
+    common.hub_offline.cache_clear()
+    assert common.hub_offline() is True and os.environ["HF_HUB_OFFLINE"] == "1"
+    common.hub_offline.cache_clear()
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
-    assert plumbing.hub_offline() is False
-    plumbing.hub_offline.cache_clear()
+    assert common.hub_offline() is False
+    common.hub_offline.cache_clear()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert plumbing.hub_offline() is True
-    plumbing.hub_offline.cache_clear()
+    assert common.hub_offline() is True
+    common.hub_offline.cache_clear()
 
 
 OFFLINE_STATE = """
@@ -154,7 +154,8 @@ def report(*args, **kwargs):  # main() reaches the data after parse_args and che
                       "transformers": transformers.utils.hub.is_offline_mode(),
                       "datasets": datasets.config.HF_HUB_OFFLINE}))
     raise SystemExit(0)
-grpo.load_dataset = report
+import common
+common.load_dataset = report  # setup() reaches the data after parse_args and check_model
 sys.argv = ["grpo.py", "--out", sys.argv[1]]
 grpo.main()
 """

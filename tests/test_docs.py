@@ -54,3 +54,24 @@ def test_relative_links_resolve():
     for doc in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
         text = open(os.path.join(REPO, "docs", f"{doc}.md")).read()
         assert "](README.md)" in text and "](results.md)" in text, f"docs/{doc}.md does not link back to the map"
+
+
+def test_the_maps_equation_table_names_what_each_file_holds():
+    """docs/README.md's equation map says which file implements each equation ('`token_loss` in [common.py]'): every
+    name it gives must be a function, class or constant of that file (or, for an argument or a logged key such as
+    `is_weight`, a word in it), so a moved or renamed function cannot leave the map behind."""
+    text = open(os.path.join(REPO, "docs", "README.md")).read()
+    table = text.split("## Equation map")[1].split("\n## ")[0]
+    checked = 0
+    for row in re.findall(r"^\| \[.*$", table, re.M):
+        for part in row.rsplit("|", 2)[1].split(";"):
+            found = re.search(r"\[(\w+\.py)\]", part)
+            if not found:
+                continue
+            source = open(os.path.join(REPO, found.group(1))).read()
+            defined = set(re.findall(r"^(?:def|class) (\w+)|^(\w+) =", source, re.M))
+            defined = {name for pair in defined for name in pair if name}
+            for name in re.findall(r"`(\w+)`", part.split(" in [")[0] if " in [" in part else part):
+                assert name in defined or re.search(rf"\b{name}\b", source), f"{name} is not in {found.group(1)}"
+                checked += 1
+    assert checked > 40

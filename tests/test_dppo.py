@@ -14,6 +14,7 @@ import torch
 from conftest import RecordingOptimizer, assert_grads_close, make_samples
 
 import dppo
+from common import packing_density
 from common import group_advantages, policy_update, sequence_logprobs, token_coefficients
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,14 +111,14 @@ def test_window_pack_and_density_by_hand():
     lengths = [5, 3, 8, 2, 9, 1]
     bins = dppo.window_pack(lengths, 10, 2)
     assert bins == [[0, 1, 3], [4, 5], [2]]
-    assert dppo.packing_density(lengths, bins, 10) == pytest.approx(28 / 30)
+    assert packing_density(lengths, bins, 10) == pytest.approx(28 / 30)
     # a longer window finds the complement: 6 + 4 | 6 + 4 (density 1); window 1 is next-fit: 6 | 6 + 4 | 4
     assert dppo.window_pack([6, 6, 4, 4], 10, 4) == [[0, 2], [1, 3]]
     assert dppo.window_pack([6, 6, 4, 4], 10, 1) == [[0], [1, 2], [3]]
-    assert dppo.packing_density([6, 6, 4, 4], [[0], [1, 2], [3]], 10) == pytest.approx(20 / 30)
+    assert packing_density([6, 6, 4, 4], [[0], [1, 2], [3]], 10) == pytest.approx(20 / 30)
     # longer than the budget: alone, and its capacity is its own length
     assert dppo.window_pack([12, 3], 10, 4) == [[0], [1]]
-    assert dppo.packing_density([12, 3], [[0], [1]], 10) == pytest.approx(15 / 22)
+    assert packing_density([12, 3], [[0], [1]], 10) == pytest.approx(15 / 22)
 
 
 # ---------------------------------------------------------------- the key property: unbiasedness

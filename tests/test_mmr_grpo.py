@@ -270,7 +270,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, args, message):
 ])
 def test_sim_floor_flag_spellings(tmp_path, flags, floor):
     from mmr_grpo import Args
-    from plumbing import parse_args
+    from common import parse_args
     args, _ = parse_args(Args, "mmr_grpo", "", [*flags, "--rollout", "hf", "--out", str(tmp_path / "run")])
     assert args.sim_floor is floor
 

@@ -8,7 +8,7 @@ from conftest import RecordingOptimizer, assert_grads_close, make_samples
 
 from common import (Sample, chunked_logprobs, load_model, pack_microbatches, packed_inputs, packed_logprobs,
                     policy_update, sequence_logprobs, token_coefficients)
-from varlen import seq_layout
+from common import seq_layout
 
 def one_at_a_time(model, samples):
     """Reference: each sequence alone, plain forward, full logits. Returns per-sequence [L, V] logits."""
@@ -268,19 +268,19 @@ def test_a_model_whose_attention_crosses_packed_sequences_is_refused_at_load(tin
     """A model whose attention ignores the packed layout (here: "varlen" made plain causal attention over the whole
     row, as a --trust_remote_code model that bypasses transformers' attention interface would run) attends across the
     sequences of a packed row with no error. load_model checks once: exit 2, one line naming --attn."""
-    import varlen
+    import common
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def across_the_row(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
                                       is_causal=True)
-    monkeypatch.setattr(varlen, "varlen_attention", across_the_row)
+    monkeypatch.setattr(common, "varlen_attention", across_the_row)
     try:
         with pytest.raises(SystemExit) as stop:
             load_model(tiny_dir, torch.device("cpu"), attn="varlen")
     finally:
         monkeypatch.undo()
-        varlen.register_varlen()  # the real one again, for the models of the tests that follow
+        common.register_varlen()  # the real one again, for the models of the tests that follow
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert stop.value.code == 2 and len(errors) == 1 and errors[0].startswith("error: --attn varlen: packed"), errors
     assert load_model(tiny_dir, torch.device("cpu"), attn="varlen") is not None  # the real attention passes
@@ -346,7 +346,7 @@ def test_the_cuda_kernel_probe_checks_the_backward_too():
     """varlen_kernel picks a CUDA kernel only if kernel_agrees: its output and the gradients of q, k and v against
     per-sequence sdpa. Checked here with CPU stand-ins for a kernel: right (fp32 and bf16), attending across the
     two sequences, and right forward with a wrong backward."""
-    from varlen import kernel_agrees
+    from common import kernel_agrees
     assert kernel_agrees(reference_attention, "cpu", torch.float32)
     assert kernel_agrees(reference_attention, "cpu", torch.bfloat16)  # bf16 rounding stays within the tolerance
     whole_row = lambda q, k, v, cu, n, scale: reference_attention(q, k, v, cu[[0, -1]], n, scale)

@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 
 from common import VerifyTimeout, extract_answer, math_reward, score, single_value, time_limit
-from plumbing import gold_answer
+from common import gold_answer
 
 RIGHT = [  # (completion, gold): each must score 1.0
     ("<think>16 - 3 - 4 = 9, 9 * 2 = 18</think>\n<answer>18</answer>", "18"),

@@ -100,18 +100,14 @@ def test_training_on_mixed_pairs_only_gives_the_same_update(tiny, loss_agg):
     assert rows_to_train(samples, loss_agg, None, 6, skip_tied=False)[0] == list(range(6))
 
 
-def test_default_lr_is_the_papers_linear_rule_except_on_the_toy():
-    from two_grpo import default_lr
-    assert default_lr(1e-6, 256, 32, "math") == pytest.approx(8e-6)  # the paper: 16-GRPO's 1e-6 at 32 prompts -> 8e-6
-    assert default_lr(1e-6, 64, 32, "data.jsonl") == pytest.approx(2e-6)
-    assert default_lr(3e-4, 128, 32, "toy") == 3e-4  # linear scaling (1.2e-3) is unstable on the toy
-    assert default_lr(3e-4, 64, 16, "chains") == 3e-4  # and collapses on chains
-
-
-def test_default_prompts_pair_up_grpos_rollouts_on_the_built_in_tasks():
-    from two_grpo import default_prompts
-    assert default_prompts(32, "toy") == 128 and default_prompts(16, "chains") == 64  # B x 8 / 2
-    assert default_prompts(32, "gsm8k") == 256  # the paper's 256 x 2 = 16-GRPO's 32 x 16
+def test_scaled_recipe_is_the_papers_linear_rule_except_on_the_built_in_tasks():
+    from two_grpo import scaled_recipe
+    # the paper: 16-GRPO's 1e-6 at 32 prompts -> 256 pairs at 8e-6
+    assert scaled_recipe(32, 1e-6, "math") == (256, pytest.approx(8e-6))
+    assert scaled_recipe(32, 1e-6, "data.jsonl", 64) == (64, pytest.approx(2e-6))  # a B given: its rate
+    # built-in tasks: grpo.py's rollouts in pairs at grpo.py's rate (linear scaling is unstable there)
+    assert scaled_recipe(32, 3e-4, "toy") == (128, 3e-4) and scaled_recipe(16, 3e-4, "chains") == (64, 3e-4)
+    assert scaled_recipe(16, 3e-4, "chains", 10) == (10, 3e-4)
 
 
 @pytest.mark.parametrize("missing,mixed,drawn,cap,factor,want", [

@@ -1,4 +1,4 @@
-"""plumbing.py: the phase timer's exclusive phases, the run's plot, flag parsing (what was given, recipe
+"""common.py's run files: the phase timer's exclusive phases, the run's plot, flag parsing (what was given, recipe
 defaults, resume merge) and the per-batch metrics."""
 import json
 from dataclasses import dataclass
@@ -6,14 +6,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import plumbing
-from common import Sample
-from plumbing import PhaseTimer, arg, batch_metrics, parse_args, plot_metrics
+import common
+from common import PhaseTimer, Sample, arg, batch_metrics, flags_given, parse_args, plot_metrics
 
 
 def test_phase_timer_phases_are_exclusive_and_add_up_to_the_step(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr(plumbing.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
     timer = PhaseTimer()
     with timer("rollout"):
         now[0] += 2.0
@@ -86,10 +85,25 @@ def test_parse_args_fills_the_recipe_and_reports_what_was_given(tmp_path):
         parse_args(Flags, "m", "", ["--floor", "maybe"])
     out = ["--out", str(tmp_path / "o")]
     spellings = {"": (True, None), "--no-floor --ckpt": (False, True), "--floor false --ckpt no": (False, False),
-                 "--no_floor --no-ckpt": (False, False)}  # --no-ckpt: the earlier parser's spelling
+                 "--no_floor --ckpt=false": (False, False)}
     for argv, want in spellings.items():
         args, given = parse_args(Flags, "m", "", argv.split() + out)
         assert (args.floor, args.ckpt) == want and given == {"out"} | ({"floor", "ckpt"} if argv else set())
+
+
+def test_flags_given_reads_every_spelling_from_the_command_line():
+    names = {"seed", "floor", "max_tokens", "prompts_per_step"}
+    argv = ["--seed", "3", "--no-floor", "--max-tokens=24", "--prompts_per_step", "8", "--unknown", "x"]
+    assert flags_given(argv, names) == names
+    assert flags_given(["--no_floor"], names) == {"floor"} and flags_given(["3", "-h"], names) == set()
+    assert flags_given(["--no_such"], names | {"no_such"}) == {"no_such"}  # a flag whose own name starts no_
+
+
+def test_abbreviations_are_refused(tmp_path, capsys):
+    """allow_abbrev=False: '--prompts' would otherwise be taken for --prompts_per_step (and be missed as given)."""
+    with pytest.raises(SystemExit):
+        parse_args(Flags, "m", "", ["--prompts", "3", "--out", str(tmp_path / "o")])
+    assert "unrecognized arguments: --prompts 3" in capsys.readouterr().err
 
 
 def test_resume_keeps_the_saved_flags_unless_given_again(tmp_path):
