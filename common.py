@@ -72,8 +72,12 @@ _REFUSED_WORDS = frozenset(
     "half halved twice double doubled triple tripled thrice "  # an operation on the value
     "or either nor neither versus vs "  # a choice
     "not no never none impossible incorrect wrong false "  # a negation
-    "maybe perhaps possibly probably approximately approx roughly nearly almost".split())  # a guess
-_REFUSED_CHARS = frozenset("+*^!?<>|_\\×÷·⋅±∓√∛≈≠≤≥")
+    "maybe perhaps possibly probably approximately approx roughly nearly almost ish circa "
+    "think guess guessing estimate estimated likely unlikely unsure if unless".split())  # a guess
+# a bound or an estimate when it stands just before the value ('at least 12', 'more than 12',
+# 'about 12'); elsewhere these words are innocent ('18 more than Tom', '18 laps around the track')
+_BOUND_WORDS = frozenset("least most than over under above below about around".split())
+_REFUSED_CHARS = frozenset("+*^!?<>|_~\\×÷·⋅±∓√∛≈≠≤≥≲≳")
 _FRACTION_COMMANDS = frozenset({"\\frac", "\\dfrac", "\\tfrac"})
 _UNIT_COMMANDS = frozenset({"\\text", "\\textbf", "\\textit", "\\textrm", "\\mathrm", "\\mathbf",
                             "\\mbox", "\\$", "\\%", "\\,", "\\;", "\\:", "\\!", "\\ ", "\\quad",
@@ -154,7 +158,12 @@ def extract_answer(text):
     echoed question ('3+4' matches gold 7)."""
     tag = last_tag(text)
     if tag is not None:  # '<answer> The answer is 18. </answer>': the tag's own final answer
-        return last_boxed(tag) or anchored_answer(tag) or tag.strip()
+        return final_answer(tag) or tag.strip()
+    return final_answer(text)
+
+
+def final_answer(text):
+    """The last \\boxed{}, else the text after the last '####', else an anchored phrase, else None."""
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
@@ -258,6 +267,8 @@ def _allowed(items, j):
         return text.lower() not in _REFUSED_WORDS and text.lower() not in _NUMBER_WORDS
     if kind == "cmd":
         return text in _UNIT_COMMANDS
+    if kind == "char" and text.isdigit():  # a digit that is not 0-9: '١٣', a superscript '²'
+        return False
     if text in ("-", "\u2212"):  # a hyphen joins two words ('per-day'); any other is a minus
         return 0 < j < len(items) - 1 and items[j - 1][0] == items[j + 1][0] == "word"
     if text == "/":  # '$18/day', 'dollars/day': per a unit; any other '/' is a division
@@ -267,8 +278,12 @@ def _allowed(items, j):
 
 
 def _letter_stuck(items, k):
-    """A letter stuck to the value items[k] makes it a term: 'x2', '2x', '18 x' (but '18 a day')."""
+    """A letter stuck to the value items[k] makes it a term: 'x2', '2x', '18 x' (but '18 a day'),
+    and so does a one-letter variable after it ('12 times x'; 'x = 18' names the value)."""
     if k > 0 and items[k - 1][0] == "word":
+        return True
+    if any(kind == "word" and len(text) == 1 and text not in ("a", "A", "I")
+           for kind, text, _ in items[k + 1:]):
         return True
     after = _next_item(items, k)
     if after is None or after[0] != "word" or len(after[1]) > 1:
@@ -282,14 +297,19 @@ def single_value(answer):
     around it ('Janet makes $18 every day.'); a fraction of integers in lowest terms (3/4,
     \\frac{3}{4}) is one value. Not a single value: a second number, in digits or words ('12 or
     13', '47+38', '12 minus seven'), a division left undone ('170/2'), an operator or a command
-    ('\\sqrt{7225}', '18!', 'x^2'), a letter stuck to the number ('2x'), or the words of an
-    operation, a choice, a negation or a guess ('or', 'minus', 'impossible', 'maybe')."""
+    ('\\sqrt{7225}', '18!', 'x^2'), a letter stuck to the number ('2x') or a variable after it ('12
+    times x'), the words of an operation, a choice, a negation, a guess or a condition ('or',
+    'minus', 'impossible', 'maybe', 'if'), or a bound just before the number ('at least 12')."""
     items = _fold(_tokens(answer))
     values = [k for k, item in enumerate(items) if item[0] == "value"]
     if len(values) != 1:
         return None
     k = values[0]
     sign = _sign(items, k)
+    before = [item for item in items[:k if sign is None else sign]
+              if item[0] != "space" and item[1] not in ("$", "\\$")]
+    if before and before[-1][0] == "word" and before[-1][1].lower() in _BOUND_WORDS:
+        return None
     if _letter_stuck(items, k) or not all(_allowed(items, j) for j in range(len(items))
                                           if j not in (k, sign)):
         return None
@@ -986,9 +1006,12 @@ def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=F
 
 @torch.no_grad()
 def packing_leak(model):
-    """How far the log-probs of one of two short sequences packed in a row move when the other one
-    changes (the largest change, in nats): 0 when attention stays within each sequence. The same
-    kernel and shapes on both sides, so in bf16 too a correct model moves by rounding at most."""
+    """How far the log-probs of two short sequences packed in a row move from their values alone,
+    or when the other sequence changes (the largest change, in nats): 0 when attention and
+    positions stay within each sequence. A model that ignores the packed layout moves both; one with
+    absolute position embeddings that ignores the position ids counts the second sequence from the
+    row's start and moves the first (rotary embeddings see only differences of positions). fp32 (no
+    autocast here): packed and alone agree to rounding."""
     vocab = model.get_input_embeddings().num_embeddings
 
     def sample(seed, n_prompt, n_completion):  # fixed ids spread over the vocabulary
@@ -998,7 +1021,9 @@ def packing_leak(model):
     n = len(a.completion_ids)
     with_b, with_a = (packed_logprobs(model, pair, 1.0, None, 1024) for pair in ([a, b], [a, b2]))
     after_a2 = packed_logprobs(model, [a2, b], 1.0, None, 1024)
-    moved = [(with_b[n:] - after_a2[n:]).abs().max(), (with_b[:n] - with_a[:n]).abs().max()]
+    alone = torch.cat([packed_logprobs(model, [s], 1.0, None, 1024) for s in (a, b)])
+    moved = [(with_b - alone).abs().max(), (with_b[n:] - after_a2[n:]).abs().max(),
+             (with_b[:n] - with_a[:n]).abs().max()]
     return max(x.item() for x in moved)
 
 
@@ -1011,10 +1036,10 @@ def check_packing(model, attn, tolerance=1e-3):
     leak = packing_leak(model.eval())
     model.train(training)
     if not leak <= tolerance:  # NaN too
-        die(f"--attn {attn}: packed sequences attend to each other in this model (a log-prob moved "
-            f"by {leak:.3g} when the sequence packed beside it changed): its attention bypasses "
-            "transformers' attention interface, which every --attn relies on; use a model whose "
-            "attention goes through it")
+        die(f"--attn {attn}: packed sequences are not independent in this model (a log-prob moved "
+            f"by {leak:.3g} between a sequence alone and packed beside another): its attention or "
+            "its positions bypass transformers' attention interface and position ids, which every "
+            "--attn relies on; use a model whose attention goes through them")
 
 
 def autocast(device):
@@ -1223,14 +1248,20 @@ def recipe_help(name):
     return ", ".join(named + [f"otherwise {shown(RECIPE[name])}"])
 
 
+BUILT_FILES = {"data": ["train.jsonl", "test.jsonl"],
+               "model": ["config.json", "model.safetensors", "tokenizer.json"]}
+
+
 def check_built(dataset, model):
-    """A built-in task whose files are missing (a clone without them, or a failed build): say how
-    to build them."""
+    """A built-in task whose files are missing (a clone without them, or a build that stopped
+    half-way): say how to build them."""
     entry = DATASETS.get(dataset, {})
     if "build" not in entry:
         return
-    needed = [entry["path"]] + ([model] if model == entry["model"] else [])
-    missing = [p for p in needed if not os.path.isdir(p)]
+    needed = [os.path.join(entry["path"], name) for name in BUILT_FILES["data"]]
+    if model == entry["model"]:
+        needed += [os.path.join(model, name) for name in BUILT_FILES["model"]]
+    missing = [p for p in needed if not os.path.exists(p)]
     if missing:
         die(f"--dataset {dataset}: {os.path.relpath(missing[0], REPO)} is missing: build it with "
             f"`python {entry['build']}`")

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 
@@ -188,13 +189,31 @@ def test_recipe_and_missing_files(tmp_path, monkeypatch, capsys):
         recipe["model"], recipe["prompts_per_step"], recipe["max_tokens"], recipe["lr"], recipe["steps"])
     args, _ = parse_args(Args, "grpo", "", ["--dataset", "chains", "--model", "elsewhere", *out])
     assert args.model == "elsewhere"
+    with pytest.raises(SystemExit) as e:
+        parse_args(Args, "grpo", "", ["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    assert e.value.code == 0
+    for text in [f"chains {recipe['steps']}", f"chains {recipe['prompts_per_step']}", "chains toy/chains/model",
+                 f"chains {recipe['max_tokens']}", f"chains {recipe['eval_n']}"]:
+        assert text in shown, text
     monkeypatch.setitem(DATASETS, "chains", {**recipe, "model": str(tmp_path / "gone")})
     with pytest.raises(SystemExit) as e:
         parse_args(Args, "grpo", "", ["--dataset", "chains", *out])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "build it with `python toy/chains/build.py`" in err[0]
     monkeypatch.setitem(DATASETS, "chains", {**recipe, "path": str(tmp_path / "gone")})
-    with pytest.raises(SystemExit):  # the data are needed even with a model of one's own
+    with pytest.raises(SystemExit) as e:  # the data are needed even with a model of one's own
         parse_args(Args, "grpo", "", ["--dataset", "chains", "--model", MODEL, *out])
-    assert "gone is missing" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "gone/train.jsonl is missing" in err[0]
+    # a build that stopped half-way: the folders are there, a file is not
+    half = tmp_path / "half"
+    shutil.copytree(recipe["model"], half / "model")
+    shutil.copytree(recipe["path"], half / "data")
+    (half / "model" / "model.safetensors").unlink()
+    monkeypatch.setitem(DATASETS, "chains", {**recipe, "path": str(half / "data"), "model": str(half / "model")})
+    with pytest.raises(SystemExit) as e:
+        parse_args(Args, "grpo", "", ["--dataset", "chains", *out])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "model.safetensors is missing: build it with" in err[0]
     assert not (tmp_path / "o").exists()

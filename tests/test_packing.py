@@ -286,6 +286,30 @@ def test_a_model_whose_attention_crosses_packed_sequences_is_refused_at_load(tin
     assert load_model(tiny_dir, torch.device("cpu"), attn="varlen") is not None  # the real attention passes
 
 
+def test_a_model_that_ignores_the_position_ids_is_refused(tiny):
+    """Attention can stay within each sequence while the positions do not: a model with absolute position
+    embeddings that ignores the position ids counts the second sequence of a packed row from the row's start
+    (rotary embeddings would not care: they see only position differences). A changed partner of the same length
+    does not move it; packed against alone does, and check_packing stops the run with one line naming --attn."""
+    from common import check_packing, packing_leak
+    model, _ = tiny
+    assert packing_leak(model) < 1e-4
+    embed = model.get_input_embeddings()
+    forward = embed.forward
+    table = torch.randn(512, embed.embedding_dim, generator=torch.Generator().manual_seed(0))
+
+    def row_positions(ids):  # an absolute position embedding of positions 0..T-1 over the whole row
+        return forward(ids) + table[:ids.shape[-1]]
+    embed.forward = row_positions
+    try:
+        assert packing_leak(model) > 1e-2
+        with pytest.raises(SystemExit) as stop:
+            check_packing(model, "varlen")
+    finally:
+        embed.forward = forward
+    assert stop.value.code == 2
+
+
 def test_attention_dropout_is_refused_with_varlen_on_every_device(tiny_dir, tmp_path, capsys):
     """torch's CUDA varlen kernel takes no dropout (varlen_attn has no dropout_p), the CPU path used to apply it:
     the same model trained differently on the two. Now refused on both: at load (one line naming --attn, exit 2)

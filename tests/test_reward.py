@@ -67,6 +67,12 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("\\boxed{\\frac{3}{4}}", "0.75"),
     ("<answer>3/4</answer>", "3/4"),  # a fraction gold: math-verify's to judge
     ("<answer>\\frac{3}{4}</answer>", "3/4"),
+    ("<answer>16-3-4=9, 9*2=18 #### 18</answer>", "18"),  # the tag's own '####', as in free text
+    # the words of a bound are innocent away from the front of the value
+    ("<answer>Janet has 18 more than Tom.</answer>", "18"),
+    ("<answer>She needs 18 more dollars.</answer>", "18"),
+    ("<answer>18 laps around the track</answer>", "18"),
+    ("<answer>18 times</answer>", "18"),
 ]
 WRONG = [  # each must score 0.0
     ("<answer>17</answer>", "18"),
@@ -107,6 +113,19 @@ WRONG = [  # each must score 0.0
     ("<answer>12 - 7</answer>", "5"),
     ("<answer>18 x</answer>", "18"),
     ("<answer>Janet makes $18 every day.</answer>", "19"),
+    # a bound, an estimate, a guess or a condition is not a single value either
+    ("<answer>at least 12</answer>", "12"),
+    ("The answer is more than 12.", "12"),
+    ("<answer>about 12</answer>", "12"),
+    ("<answer>over -3</answer>", "-3"),
+    ("<answer>~12</answer>", "12"),
+    ("<answer>12ish</answer>", "12"),
+    ("<answer>12, I think</answer>", "12"),
+    ("<answer>12 if x is even</answer>", "12"),
+    ("<answer>12 times x</answer>", "12"),  # an operation on a variable
+    ("<answer>12 over x</answer>", "12"),
+    ("<answer>12 \u0661\u0663</answer>", "12"),  # a second number in other digits
+    ("<answer>18\u00b2</answer>", "18"),  # a superscript is an operation
 ]
 
 
