@@ -59,6 +59,7 @@ SHAPES = {  # Qwen2.5 configs; toy = toy/model
 LENGTHS = {  # (prompt mean, prompt std, completion median, completion log-std, completion cap), tokens
     "toy": (19, 1, 9, 0.1, 24),
     "gsm8k": (130, 25, 200, 0.5, 1024),  # CPPO's system prompt + a GSM8K question; Qwen2.5-1.5B-like
+    "chains": None,  # sampled from toy/chains/model on its training prompts (model_lengths)
 }
 PARTS = ["step", "breakdown", "learning"]
 
@@ -88,12 +89,32 @@ def build_model(shape, device, attn):
     return model.to(device).train()
 
 
+@functools.lru_cache(maxsize=None)
+def model_lengths(dataset, n, seed=0):
+    """(prompt, completion) lengths of n rollouts of a built-in task's own model at temperature 1 on
+    its training prompts (the first n of a seeded order), transformers generate on the CPU."""
+    recipe = DATASETS[dataset]
+    tokenizer = load_tokenizer(recipe["model"])
+    model = load_model(recipe["model"], torch.device("cpu"), frozen=True)
+    train, _ = load_dataset(dataset, 1)
+    order = np.random.default_rng(seed).permutation(len(train))
+    rows = [train[order[j % len(train)]] for j in range(n)]  # n > len(train): a second pass
+    rows = prompt_token_ids(tokenizer, rows, recipe["template"], 512)
+    engine = HFEngine(model, tokenizer, len(tokenizer), stop_token_ids(tokenizer, recipe["model"]))
+    out = engine.generate([r["prompt_ids"] for r in rows], 1, 1.0, recipe["max_tokens"], seed)
+    return [(len(r["prompt_ids"]), len(o[0][0])) for r, o in zip(rows, out)]
+
+
 def synthetic_samples(n, lengths, vocab, seed=0):
-    """n rollouts of random tokens whose lengths follow the LENGTHS mix, with N(0, 1) advantages."""
-    p_mean, p_std, c_median, c_sigma, c_cap = LENGTHS[lengths]
+    """n rollouts of random tokens whose lengths follow the LENGTHS mix (or a built-in task's model:
+    model_lengths), with N(0, 1) advantages."""
     rng = np.random.default_rng(seed)
-    prompt = np.clip(rng.normal(p_mean, p_std, n), 4, None).astype(int)
-    completion = np.clip(rng.lognormal(np.log(c_median), c_sigma, n), 1, c_cap).astype(int)
+    if LENGTHS[lengths] is None:
+        prompt, completion = zip(*model_lengths(lengths, n, seed))
+    else:
+        p_mean, p_std, c_median, c_sigma, c_cap = LENGTHS[lengths]
+        prompt = np.clip(rng.normal(p_mean, p_std, n), 4, None).astype(int)
+        completion = np.clip(rng.lognormal(np.log(c_median), c_sigma, n), 1, c_cap).astype(int)
     return [Sample(rng.integers(3, vocab, p).tolist(), rng.integers(3, vocab, c).tolist(),
                    advantage=float(rng.normal()))
             for p, c in zip(prompt, completion)]
@@ -190,7 +211,7 @@ def timed(update, repeats, device):
 def bench_step(args, device):
     """Padded and packed updates per length mix and token budget (and packed under the dense mask
     with --dense). Returns (a description line, table rows as dicts)."""
-    mixes = args.lengths or (["toy", "gsm8k"] if args.shape == "toy" else ["gsm8k"])
+    mixes = args.lengths or (["toy", "gsm8k", "chains"] if args.shape == "toy" else ["gsm8k"])
     budgets = args.budgets or ([512, 4096, 16384] if device.type == "cpu" else [4096, 16384, 32768])
     model = build_model(args.shape, device, args.attn)
     vocab = model.config.vocab_size
@@ -414,6 +435,16 @@ def run_script(method, flags, out):
             lines = log.read().replace("\r", "\n").strip().splitlines()
         print("\n".join(lines[-15:]), file=sys.stderr)
         die(f"{method}.py failed (exit {code}): {' '.join(cmd[1:])}")
+    return read_run(out)
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_run(out):
+    """A finished run folder's metrics.jsonl rows and config.json."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     with open(os.path.join(out, "config.json")) as f:
@@ -434,7 +465,13 @@ def run_scripts(args, runs):
         bar.set_postfix_str(f"{dataset} {part} {method} seed {seed}")
         flags = script_flags(args, part, dataset, method, seed)
         out = os.path.join(runs, f"{dataset}-{part}-{method}-{seed}")
-        rows, config = run_script(method, flags, out)
+        done = out + ".flags.json"  # written once a run has finished: a kept --runs folder is reused
+        if os.path.exists(done) and read_json(done) == flags:
+            rows, config = read_run(out)
+        else:
+            rows, config = run_script(method, flags, out)
+            with open(done, "w") as f:
+                json.dump(flags, f)
         results[part, dataset, method, seed] = (rows, flags, config)
     bar.close()
     return results
@@ -769,12 +806,13 @@ def parse():
       "when all three parts run without --quick, else runs/bench-<time>/, so a partial or quick run "
       "does not replace the committed report)")
     a("--runs", default="", help="keep the scripts' run folders here (default: a temporary folder, "
-      "deleted at the end)")
+      "deleted at the end); a run already finished there with the same flags is read, not re-run")
     # 1. the training step
     a("--shape", default="toy", help=f"model shape for the step part: toy | {' | '.join(SHAPES)} | "
       "a model folder (its config only; random weights)")
     a("--lengths", nargs="+", default=None, choices=list(LENGTHS), help="length mixes of the step "
-      "part (default: toy and gsm8k for the toy shape, else gsm8k)")
+      "part (default: toy, gsm8k and chains for the toy shape, else gsm8k; chains: the lengths its own "
+      "model samples)")
     a("--sequences", type=int, default=256, help="completions per update in the step part (a "
       "rollout batch)")
     a("--budgets", type=int, nargs="+", default=None, help="token budgets per micro-batch to "

@@ -36,6 +36,23 @@ def test_bench_step_part_runs_on_the_toy_shape(tmp_path):
     assert "## 1. The training update" in report and "## 2." not in report and (tmp_path / "results" / "step.png").exists()
 
 
+def test_chains_length_mix_is_what_its_model_samples():
+    """The chains mix is not a formula: the lengths are those of its own model's completions at temperature 1 on
+    its training prompts, so they vary as the task's do (the toy mix is one length)."""
+    from bench import model_lengths
+    from common import DATASETS, load_dataset, load_tokenizer, prompt_token_ids
+    lengths = model_lengths("chains", 16, 0)  # the same call as synthetic_samples' (cached)
+    samples = synthetic_samples(16, "chains", 448)
+    assert [(len(s.prompt_ids), len(s.completion_ids)) for s in samples] == lengths
+    completions = [c for _, c in lengths]
+    assert min(completions) >= 1 and max(completions) <= DATASETS["chains"]["max_tokens"]
+    assert max(completions) - min(completions) >= 40  # varied, unlike the toy's ~9 tokens
+    train, _ = load_dataset("chains", 1)
+    tokenizer = load_tokenizer(DATASETS["chains"]["model"])
+    prompts = {len(r["prompt_ids"]) for r in prompt_token_ids(tokenizer, train, "plain", 512)}
+    assert {p for p, _ in lengths} <= prompts
+
+
 def test_padding_bound_by_hand():
     from bench import padded_groups, padding_bound
     lens = [10, 4, 6, 2]
@@ -157,13 +174,24 @@ def test_bench_learning_on_chains_reports_accuracy_by_chain_length(tmp_path):
     """The chains task adds a table of greedy accuracy per chain length, initial policy against each
     method's final policy, read back from the runs' checkpoints."""
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--parts", "learning", "--datasets",
-                             "chains", "--methods", "grpo", "--seeds", "0", "--learn_steps", "1", "--eval_every",
-                             "1", "--eval_n", "12", "--rollout", "hf", "--out", str(out)],
-                            capture_output=True, text=True, timeout=900, cwd=REPO,
+    runs = tmp_path / "runs"
+    command = [sys.executable, os.path.join(REPO, "bench.py"), "--parts", "learning", "--datasets", "chains",
+               "--methods", "grpo", "--seeds", "0", "--learn_steps", "1", "--eval_every", "1", "--eval_n", "12",
+               "--rollout", "hf", "--out", str(out), "--runs", str(runs)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     text = (out / "results.md").read_text()
+    # a second bench over the kept run folders reads the finished run instead of running it again
+    log = runs / "chains-learning-grpo-0.log"
+    stamp = log.stat().st_mtime_ns
+    (out / "results.md").unlink()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert log.stat().st_mtime_ns == stamp
+    assert [line for line in (out / "results.md").read_text().splitlines() if line.startswith("| grpo |")] == \
+        [line for line in text.splitlines() if line.startswith("| grpo |")]
     assert "## 1. `chains`: learning, side by side" in text and "## 2. `chains`: accuracy by chain length" in text
     assert (out / "results" / "bylength-chains.png").read_bytes()[:4] == b"\x89PNG"
     rows = [line for line in text.splitlines() if line.startswith(("| initial policy |", "| grpo |"))]
