@@ -69,7 +69,8 @@ PHASE_NAMES = ["rollout", "reward", "old/ref log-probs", "update", "method overh
                "other (weight push, untimed)"]
 SHARED = ["rollout_s", "reward_s", "logp_s", "update_s", "push_s"]  # phases every script times
 NOT_PHASES = ["step_s", "tokens_per_s"]  # the whole step, and a rate
-TARGETS = {"toy": 0.95, "chains": 0.75}  # the accuracy whose first crossing is timed, per task
+TARGETS = {"toy": 0.95, "chains": 0.85}  # the accuracy whose first crossing is timed, per task: on
+# chains about halfway from the start (0.47) to GRPO's peak (0.94-0.98); 0.75 fell within 5 steps
 
 
 # --------------------------------------------------------------------------------------------------
