@@ -286,7 +286,7 @@ def _letter_stuck(items, k):
 def single_value(answer):
     """The value (a Fraction) of an answer that is a single value, else None: one number or
     lowest-terms fraction with units and words around it ('Janet makes $18 every day.'), and
-    nothing that hedges, bounds or computes it. The rule and its table: docs/grpo.md#reward."""
+    nothing that hedges, bounds or computes it (the rule and its table: docs/grpo.md#reward)."""
     items = _fold(_tokens(answer))
     values = [k for k, item in enumerate(items) if item[0] == "value"]
     if len(values) != 1:
