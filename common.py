@@ -650,7 +650,8 @@ def sequence_logprobs(model, samples, temperature, vocab_size, token_budget, chu
 
 def token_coefficients(lengths, loss_agg, max_len=None, num_seqs=None, num_tokens=None,
                        weights=None):
-    """c_i with loss = sum_i c_i sum_t l_(i,t), over the whole rollout batch. docs/grpo.md#eq-aggregation
+    """c_i with loss = sum_i c_i sum_t l_(i,t), normalised over the whole rollout batch so that the
+    micro-batch split never changes the gradient. docs/grpo.md#eq-aggregation
       seq_mean   (GRPO paper):  c_i = w_i / (|o_i| N)
       token_mean (DAPO):        c_i = w_i / sum_j |o_j|
       constant   (Dr. GRPO):    c_i = w_i / (N L_max)
