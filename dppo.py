@@ -21,7 +21,7 @@ from tqdm import tqdm
 from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, finish_step,
                     group_advantages, parse_args, policy_update, recipe_arg, rollout_seed, score,
                     sequence_logprobs, setup, take_prompts, token_coefficients)
-from common import check_at_least_one, die, packing_density
+from common import die
 
 METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
 
@@ -71,19 +71,20 @@ class Args:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     grad_clip: float = arg(1.0, "clip the gradient norm to this (0 = no clipping)")
     token_budget: int = arg(None, "tokens per packed micro-batch (a longer sequence gets its own)",
-                            shown="16384 on GPU, 4096 on CPU: the fastest measured here with --attn "
-                                  "varlen (512 on CPU with sdpa/eager, whose mask is dense [T, T])")
+                            shown="16384 on GPU, 4096 on CPU (512 with --attn sdpa or eager, whose "
+                                  "mask is a dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
     grad_ckpt: bool = arg(None, "gradient checkpointing (true/false)", shown="on for GPU")
-    attn: str = arg("varlen", "attention: varlen runs each packed sequence on its own; sdpa and "
-                              "eager build a dense [T, T] block-diagonal mask (reference paths)",
-                    choices=["varlen", "sdpa", "eager"])
+    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own, bucketed "
+                              "sdpa), flash_attention_2 (needs flash-attn), sdpa or eager (a dense "
+                              "[T, T] mask)", choices=["varlen", "flash_attention_2", "sdpa", "eager"])
     # evaluation and checkpoints
     eval_every: int = recipe_arg("eval_every", "greedy held-out accuracy every N steps (0: start "
                                                "and end only)")
     eval_n: int = recipe_arg("eval_n", "held-out problems per evaluation")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
-    trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it)")
+    trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
+                                         "packing needs it to honour position ids)")
 
 
 def candidate_window(stream, history, B, r_q, floor, cap):
@@ -134,6 +135,11 @@ def importance_coefficients(lengths, prompt_pi, completion_pi, kept, n_examined,
                               num_tokens=tokens, weights=weights), weights
 
 
+def packing_density(lengths, bins, budget):
+    """Valid tokens over micro-batch capacity: sum(lengths) / sum_b max(budget, load_b). docs/dppo.md#eq-density"""
+    return sum(lengths) / max(1, sum(max(budget, sum(lengths[i] for i in b)) for b in bins))
+
+
 def window_pack(lengths, budget, window):
     """Micro-batches in stream order, each filled with the longest of the next `window` sequences
     that fits, again and again; one over the budget goes alone. docs/dppo.md#eq-density"""
@@ -154,16 +160,17 @@ def window_pack(lengths, budget, window):
 
 
 def main():
-    args, _ = parse_args(Args, METHOD, __doc__)  # (_: the flags given, see two_grpo.py)
+    args = parse_args(Args, METHOD, __doc__)  # recipe defaults filled in, every flag checked
     if not (0 <= args.prune_prompts < 1 and 0 <= args.prune_completions < 1 and 0 < args.keep_floor <= 1):
         die("--prune_prompts and --prune_completions must be in [0, 1), --keep_floor in (0, 1] (got "
             f"{args.prune_prompts}, {args.prune_completions}, {args.keep_floor})")  # every pi > 0
-    check_at_least_one(vars(args), ["window", "lookahead"])
+    if not (args.window >= 1 and args.lookahead >= 1):
+        die(f"--window and --lookahead must be at least 1 (got {args.window}, {args.lookahead})")
     run = setup(args, METHOD, config={"ideal_trained_fraction": 1 - args.prune_completions})
     model = run.model
     engine = run.engine
     tokenizer = run.tokenizer
-    train_kw = run.train_kw
+    passes = run.passes  # temperature, vocabulary, token budget: how the trainer's passes run
     train_rows = run.train_rows
     cursor = run.cursor
     B = args.prompts_per_step
@@ -188,7 +195,7 @@ def main():
             batch = [train_rows[i] for i in rows]
             outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature,
                                       args.max_tokens, seed=rollout_seed(args.seed, step))
-            engine.sleep()  # outputs: per prompt, G (token ids, log-probs)
+            # outputs: per prompt, G (token ids, log-probs)
 
         # 2. reward, 3. group advantages  (docs/grpo.md#eq-advantage)
         with timer("reward"):
@@ -207,29 +214,27 @@ def main():
             coefs, weights = importance_coefficients([len(s.completion_ids) for s in samples], prompt_pi,
                                                      completion_pi, kept_o, len(examined), args.loss_agg,
                                                      args.max_tokens)
-            kept = [samples[i] for i in kept_o]
+            rolled, samples = samples, [samples[i] for i in kept_o]  # the trainer sees the kept ones only
+            for s, c in zip(samples, coefs.tolist()):
+                s.coef = c
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
-            old = None  # on-policy (mu = 1): old = logp.detach()
-            if args.mu > 1:
-                old = sequence_logprobs(model, kept, **train_kw)
-            ref = None  # beta = 0: no reference model
-            if run.ref_model is not None:
-                ref = sequence_logprobs(run.ref_model, kept, **train_kw)
-        packed = {}  # the window packer's micro-batches, as the update ran them
-
-        def pack(lengths, budget):  # timed where it runs, out of update_s (docs/dppo.md#eq-density)
-            with timer("pack"):
-                packed["bins"] = window_pack(lengths, budget, args.window)
-            packed["density"] = packing_density(lengths, packed["bins"], budget)
-            return packed["bins"]
+            if args.mu > 1:  # else on-policy: old = logp.detach()
+                for s, lp in zip(samples, sequence_logprobs(model, samples, passes)):
+                    s.old_logps = lp
+            if run.ref_model is not None:  # beta = 0 loads no reference model
+                for s, lp in zip(samples, sequence_logprobs(run.ref_model, samples, passes)):
+                    s.ref_logps = lp
+        with timer("pack"):  # the update's micro-batches (docs/dppo.md#eq-density)
+            lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+            bins = window_pack(lengths, args.token_budget, args.window)
+        passes = run.passes._replace(pack=lambda lengths, budget: bins)  # the update packs as window_pack did
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, kept, coefs, old_logps=old,
-                                      ref_logps=ref, beta=args.beta, eps_low=args.eps_low,
-                                      eps_high=args.eps_high, tis_cap=args.tis_cap,
-                                      grad_clip=args.grad_clip, pack=pack, **train_kw)
+                stats = policy_update(model, run.optimizer, samples, passes, beta=args.beta,
+                                      clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
+                                      grad_clip=args.grad_clip)
                 run.scheduler.step()
 
         # 5. the engine samples the next step with the new weights
@@ -239,18 +244,18 @@ def main():
         # ---------------------------------------------------------------- log, evaluate, save
         row = {
             "step": step + 1,
-            **batch_metrics(rewards, samples, run.stop_ids, reward_counts),
+            **batch_metrics(rewards, rolled, run.stop_ids, reward_counts),
             **stats,
-            "rollouts": len(samples),
-            "trained_rollouts": len(kept),
+            "rollouts": len(rolled),
+            "trained_rollouts": len(samples),
             "lr": run.scheduler.get_last_lr()[0],
             "prompts_examined": len(examined),
             "prompt_keep_frac": len(batch) / len(examined),
-            "completion_keep_frac": len(kept) / len(samples),
+            "completion_keep_frac": len(samples) / len(rolled),
             "weight_mean": sum(weights) / max(1, len(weights)),
             "weight_max": max(weights, default=0.0),
-            "pack_density": packed["density"],
-            "pack_micro_batches": len(packed["bins"]),
+            "pack_density": packing_density(lengths, bins, args.token_budget),
+            "pack_micro_batches": len(bins),
             **timer.seconds(),
         }
         finish_step(run, bar, row, cursor, {"history": history})  # evaluate, log, checkpoint when due

@@ -70,28 +70,29 @@ class Args:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     grad_clip: float = arg(1.0, "clip the gradient norm to this (0 = no clipping)")
     token_budget: int = arg(None, "tokens per packed micro-batch (a longer sequence gets its own)",
-                            shown="16384 on GPU, 4096 on CPU: the fastest measured here with --attn "
-                                  "varlen (512 on CPU with sdpa/eager, whose mask is dense [T, T])")
+                            shown="16384 on GPU, 4096 on CPU (512 with --attn sdpa or eager, whose "
+                                  "mask is a dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
     grad_ckpt: bool = arg(None, "gradient checkpointing (true/false)", shown="on for GPU")
-    attn: str = arg("varlen", "attention: varlen runs each packed sequence on its own; sdpa and "
-                              "eager build a dense [T, T] block-diagonal mask (reference paths)",
-                    choices=["varlen", "sdpa", "eager"])
+    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own, bucketed "
+                              "sdpa), flash_attention_2 (needs flash-attn), sdpa or eager (a dense "
+                              "[T, T] mask)", choices=["varlen", "flash_attention_2", "sdpa", "eager"])
     # evaluation and checkpoints
     eval_every: int = recipe_arg("eval_every", "greedy held-out accuracy every N steps (0: start "
                                                "and end only)")
     eval_n: int = recipe_arg("eval_n", "held-out problems per evaluation")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
-    trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it)")
+    trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
+                                         "packing needs it to honour position ids)")
 
 
 def main():
-    args, _ = parse_args(Args, METHOD, __doc__)  # (_: the flags given, see two_grpo.py)
+    args = parse_args(Args, METHOD, __doc__)  # recipe defaults filled in, every flag checked
     run = setup(args, METHOD)  # every check first; models, engine, optimiser; evaluation at step 0
     model = run.model
     engine = run.engine
     tokenizer = run.tokenizer
-    train_kw = run.train_kw
+    passes = run.passes  # temperature, vocabulary, token budget: how the trainer's passes run
     train_rows = run.train_rows
     cursor = run.cursor
     B = args.prompts_per_step
@@ -108,7 +109,7 @@ def main():
             cursor += B
             outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature,
                                       args.max_tokens, seed=rollout_seed(args.seed, step))
-            engine.sleep()  # outputs: per prompt, G (token ids, log-probs)
+            # outputs: per prompt, G (token ids, log-probs)
 
         # 2. reward, 3. group advantages  (docs/grpo.md#eq-advantage)
         with timer("reward"):
@@ -122,21 +123,22 @@ def main():
                        for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]
             coefs = token_coefficients([len(s.completion_ids) for s in samples], args.loss_agg,
                                        max_len=args.max_tokens)
+            for s, c in zip(samples, coefs.tolist()):
+                s.coef = c
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
-            old = None  # on-policy (mu = 1): old = logp.detach()
-            if args.mu > 1:
-                old = sequence_logprobs(model, samples, **train_kw)
-            ref = None  # beta = 0: no reference model
-            if run.ref_model is not None:
-                ref = sequence_logprobs(run.ref_model, samples, **train_kw)
+            if args.mu > 1:  # else on-policy: old = logp.detach()
+                for s, lp in zip(samples, sequence_logprobs(model, samples, passes)):
+                    s.old_logps = lp
+            if run.ref_model is not None:  # beta = 0 loads no reference model
+                for s, lp in zip(samples, sequence_logprobs(run.ref_model, samples, passes)):
+                    s.ref_logps = lp
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, samples, coefs, old_logps=old,
-                                      ref_logps=ref, beta=args.beta, eps_low=args.eps_low,
-                                      eps_high=args.eps_high, tis_cap=args.tis_cap,
-                                      grad_clip=args.grad_clip, **train_kw)
+                stats = policy_update(model, run.optimizer, samples, passes, beta=args.beta,
+                                      clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
+                                      grad_clip=args.grad_clip)
                 run.scheduler.step()
 
         # 5. the engine samples the next step with the new weights

@@ -69,19 +69,20 @@ class Args:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     grad_clip: float = arg(1.0, "clip the gradient norm to this (0 = no clipping)")
     token_budget: int = arg(None, "tokens per packed micro-batch (a longer sequence gets its own)",
-                            shown="16384 on GPU, 4096 on CPU: the fastest measured here with --attn "
-                                  "varlen (512 on CPU with sdpa/eager, whose mask is dense [T, T])")
+                            shown="16384 on GPU, 4096 on CPU (512 with --attn sdpa or eager, whose "
+                                  "mask is a dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
     grad_ckpt: bool = arg(None, "gradient checkpointing (true/false)", shown="on for GPU")
-    attn: str = arg("varlen", "attention: varlen runs each packed sequence on its own; sdpa and "
-                              "eager build a dense [T, T] block-diagonal mask (reference paths)",
-                    choices=["varlen", "sdpa", "eager"])
+    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own, bucketed "
+                              "sdpa), flash_attention_2 (needs flash-attn), sdpa or eager (a dense "
+                              "[T, T] mask)", choices=["varlen", "flash_attention_2", "sdpa", "eager"])
     # evaluation and checkpoints
     eval_every: int = recipe_arg("eval_every", "greedy held-out accuracy every N steps (0: start "
                                                "and end only)")
     eval_n: int = recipe_arg("eval_n", "held-out problems per evaluation")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
-    trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it)")
+    trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
+                                         "packing needs it to honour position ids)")
     # MMR reweighting: docs/mmr_grpo.md
     embed_model: str = arg(None, "sentence-transformers encoder of the completions: a local "
                                  "folder, a hub id, or toy / chains (that task's base model)",
@@ -157,10 +158,13 @@ def mmr_reweight(rewards, embeddings, floor=True):
     return torch.stack([o[0] for o in out]), torch.stack([o[1] for o in out]), sim
 
 
+def encoder_recipe(flags):
+    """The default encoder: a built-in task's own base model (toy, chains), else MiniLM."""
+    return {"embed_model": flags["dataset"] if "model" in DATASETS.get(flags["dataset"], {}) else MINILM}
+
+
 def main():
-    args, _ = parse_args(Args, METHOD, __doc__)  # (_: the flags given, see two_grpo.py)
-    built_in = "model" in DATASETS.get(args.dataset, {})  # toy, chains: its own model encodes
-    args.embed_model = args.embed_model or (args.dataset if built_in else MINILM)
+    args = parse_args(Args, METHOD, __doc__, recipe=encoder_recipe)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:  # ~100 MB next to a policy of GBs: loaded once, kept on the trainer's device for the run
         encoder = load_encoder(args.embed_model, device, args.trust_remote_code)
@@ -173,7 +177,7 @@ def main():
     model = run.model
     engine = run.engine
     tokenizer = run.tokenizer
-    train_kw = run.train_kw
+    passes = run.passes  # temperature, vocabulary, token budget: how the trainer's passes run
     train_rows = run.train_rows
     cursor = run.cursor
     B = args.prompts_per_step
@@ -190,7 +194,7 @@ def main():
             cursor += B
             outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature,
                                       args.max_tokens, seed=rollout_seed(args.seed, step))
-            engine.sleep()  # outputs: per prompt, G (token ids, log-probs)
+            # outputs: per prompt, G (token ids, log-probs)
 
         # 2. reward, 3. MMR-reweighted rewards, group advantages  (docs/mmr_grpo.md#eq-advantage)
         with timer("reward"):
@@ -198,29 +202,31 @@ def main():
                                            skip_special_tokens=True)
             rewards, reward_counts = score(texts, [batch[k // G]["gold"] for k in range(len(texts))])
             rewards = torch.tensor(rewards).view(B, G)  # [B, G]
-            with timer("mmr"):  # [B, G], [B], [B, G, G]
-                mmr, lam, sim = mmr_reweight(rewards, embed(encoder, texts), args.sim_floor)
+        with timer("mmr"):  # [B, G], [B], [B, G, G]
+            mmr, lam, sim = mmr_reweight(rewards, embed(encoder, texts), args.sim_floor)
+        with timer("reward"):
             advantages = group_advantages(mmr, args.std_mode, args.adv_eps)  # [B, G]
             samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(),
                               advantages[q, i].item(), logps)
                        for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]
             coefs = token_coefficients([len(s.completion_ids) for s in samples], args.loss_agg,
                                        max_len=args.max_tokens)
+            for s, c in zip(samples, coefs.tolist()):
+                s.coef = c
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
-            old = None  # on-policy (mu = 1): old = logp.detach()
-            if args.mu > 1:
-                old = sequence_logprobs(model, samples, **train_kw)
-            ref = None  # beta = 0: no reference model
-            if run.ref_model is not None:
-                ref = sequence_logprobs(run.ref_model, samples, **train_kw)
+            if args.mu > 1:  # else on-policy: old = logp.detach()
+                for s, lp in zip(samples, sequence_logprobs(model, samples, passes)):
+                    s.old_logps = lp
+            if run.ref_model is not None:  # beta = 0 loads no reference model
+                for s, lp in zip(samples, sequence_logprobs(run.ref_model, samples, passes)):
+                    s.ref_logps = lp
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, samples, coefs, old_logps=old,
-                                      ref_logps=ref, beta=args.beta, eps_low=args.eps_low,
-                                      eps_high=args.eps_high, tis_cap=args.tis_cap,
-                                      grad_clip=args.grad_clip, **train_kw)
+                stats = policy_update(model, run.optimizer, samples, passes, beta=args.beta,
+                                      clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
+                                      grad_clip=args.grad_clip)
                 run.scheduler.step()
 
         # 5. the engine samples the next step with the new weights

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (DATASETS, RECIPE, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics,
-                    check_rollouts, die, finish_step, group_advantages, parse_args, policy_update,
-                    recipe_arg, rollout_seed, score, sequence_logprobs, setup, take_prompts,
-                    token_coefficients)
+from common import (DATASETS, RECIPE, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die,
+                    finish_step, group_advantages, parse_args, policy_update, recipe_arg,
+                    rollout_seed, score, sequence_logprobs, setup, take_prompts, token_coefficients)
 
 METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
 
@@ -78,19 +77,20 @@ class Args:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     grad_clip: float = arg(1.0, "clip the gradient norm to this (0 = no clipping)")
     token_budget: int = arg(None, "tokens per packed micro-batch (a longer sequence gets its own)",
-                            shown="16384 on GPU, 4096 on CPU: the fastest measured here with --attn "
-                                  "varlen (512 on CPU with sdpa/eager, whose mask is dense [T, T])")
+                            shown="16384 on GPU, 4096 on CPU (512 with --attn sdpa or eager, whose "
+                                  "mask is a dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
     grad_ckpt: bool = arg(None, "gradient checkpointing (true/false)", shown="on for GPU")
-    attn: str = arg("varlen", "attention: varlen runs each packed sequence on its own; sdpa and "
-                              "eager build a dense [T, T] block-diagonal mask (reference paths)",
-                    choices=["varlen", "sdpa", "eager"])
+    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own, bucketed "
+                              "sdpa), flash_attention_2 (needs flash-attn), sdpa or eager (a dense "
+                              "[T, T] mask)", choices=["varlen", "flash_attention_2", "sdpa", "eager"])
     # evaluation and checkpoints
     eval_every: int = recipe_arg("eval_every", "greedy held-out accuracy every N steps (0: start "
                                                "and end only)")
     eval_n: int = recipe_arg("eval_n", "held-out problems per evaluation")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
-    trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it)")
+    trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
+                                         "packing needs it to honour position ids)")
 
 
 def prompts_to_draw(missing, mixed, drawn, cap, cap_factor):
@@ -121,23 +121,23 @@ def scaled_recipe(grpo_prompts, grpo_lr, dataset, prompts=None):
     return prompts, grpo_lr * prompts / grpo_prompts
 
 
+def pair_recipe(flags):
+    """The defaults of B and lr: scaled_recipe of the dataset's GRPO recipe and the B given."""
+    grpo = {**RECIPE, **DATASETS.get(flags["dataset"], {})}
+    B, lr = scaled_recipe(grpo["prompts_per_step"], grpo["lr"], flags["dataset"], flags["prompts_per_step"])
+    return {"prompts_per_step": B, "lr": lr}
+
+
 def main():
-    args, given = parse_args(Args, METHOD, __doc__)
-    if not args.resume:  # a resumed run keeps the B and lr it started with
-        grpo = {**RECIPE, **DATASETS.get(args.dataset, {})}  # the dataset's GRPO recipe
-        given_b = args.prompts_per_step if "prompts_per_step" in given else None
-        args.prompts_per_step, lr = scaled_recipe(grpo["prompts_per_step"], grpo["lr"],
-                                                  args.dataset, given_b)
-        args.lr = args.lr if "lr" in given else lr
+    args = parse_args(Args, METHOD, __doc__, recipe=pair_recipe)  # a resumed run keeps its B, lr
     if args.resample and args.resample_cap < 1:
         die(f"--resample_cap must be at least 1 (got {args.resample_cap})")
     rounds = args.resample_cap if args.resample else 1  # prompts drawn: at most B x rounds
-    check_rollouts(args.prompts_per_step * args.group_size * rounds)
     run = setup(args, METHOD)  # every check first; models, engine, optimiser; evaluation at step 0
     model = run.model
     engine = run.engine
     tokenizer = run.tokenizer
-    train_kw = run.train_kw
+    passes = run.passes  # temperature, vocabulary, token budget: how the trainer's passes run
     train_rows = run.train_rows
     cursor = run.cursor
     B = args.prompts_per_step
@@ -150,45 +150,43 @@ def main():
         timer = PhaseTimer()
         # 1. rollout of G = 2 completions for B prompts, 2. reward, per round: with --resample, tied
         # pairs give way to pairs of new prompts until B are mixed (docs/two_grpo.md#resample)
-        with timer("rollout"):
-            batch = []
-            outputs = []
-            rewards = []
-            reward_counts = collections.Counter()
-            cap = B * rounds  # prompts this step may draw
-            while len(batch) < cap:
-                mixed = sum(len(set(r)) > 1 for r in rewards)
-                missing = B - mixed if args.resample else B - len(batch)
-                if missing <= 0:
-                    break
-                n = prompts_to_draw(missing, mixed, len(batch), cap, args.resample_cap)
-                new = [train_rows[i] for i in take_prompts(len(train_rows), cursor, n, args.seed)]
-                cursor += n
-                round_seed = rollout_seed(args.seed, step, len(batch) * G)  # new slots each round
+        batch = []
+        outputs = []
+        rewards = []
+        reward_counts = collections.Counter()
+        cap = B * rounds  # prompts this step may draw
+        while len(batch) < cap:
+            mixed = sum(len(set(r)) > 1 for r in rewards)
+            missing = B - mixed if args.resample else B - len(batch)
+            if missing <= 0:
+                break
+            n = prompts_to_draw(missing, mixed, len(batch), cap, args.resample_cap)
+            new = [train_rows[i] for i in take_prompts(len(train_rows), cursor, n, args.seed)]
+            cursor += n
+            with timer("rollout"):  # new seed slots each round
                 out = engine.generate([r["prompt_ids"] for r in new], G, args.temperature,
-                                      args.max_tokens, seed=round_seed)
-                with timer("reward"):
-                    texts = tokenizer.batch_decode([ids for group in out for ids, _ in group],
-                                                   skip_special_tokens=True)
-                    scores, counts = score(texts, [new[k // G]["gold"] for k in range(n * G)])
-                    reward_counts.update(counts)
-                batch += new
-                outputs += out  # one list of G (token ids, log-probs) per prompt
-                rewards += [scores[q * G:(q + 1) * G] for q in range(n)]
-            engine.sleep()
-            drawn = len(batch)
-            tied = sum(len(set(r)) == 1 for r in rewards) / drawn
-            r_drawn = torch.tensor(rewards)  # [drawn, G]: what the step sampled, logged below
-            if args.resample:  # train on the first B mixed pairs; drop tied ones and the surplus
-                keep = [q for q, r in enumerate(rewards) if len(set(r)) > 1][:B]
-                if not keep:  # nothing to learn: B tied pairs (zero advantage), as 2-GRPO would
-                    tqdm.write(f"step {step + 1}: no mixed pair among {drawn} prompts "
-                               f"(--resample_cap {args.resample_cap}): training on {B} tied pairs, "
-                               "whose policy gradient is zero")
-                    keep = list(range(B))
-                batch = [batch[q] for q in keep]
-                outputs = [outputs[q] for q in keep]
-                rewards = [rewards[q] for q in keep]
+                                      args.max_tokens, seed=rollout_seed(args.seed, step, len(batch) * G))
+            with timer("reward"):
+                texts = tokenizer.batch_decode([ids for group in out for ids, _ in group],
+                                               skip_special_tokens=True)
+                scores, counts = score(texts, [new[k // G]["gold"] for k in range(n * G)])
+                reward_counts.update(counts)
+            batch += new
+            outputs += out  # one list of G (token ids, log-probs) per prompt
+            rewards += [scores[q * G:(q + 1) * G] for q in range(n)]
+        drawn = len(batch)
+        tied = sum(len(set(r)) == 1 for r in rewards) / drawn
+        r_drawn = torch.tensor(rewards)  # [drawn, G]: what the step sampled, logged below
+        if args.resample:  # train on the first B mixed pairs; drop tied ones and the surplus
+            keep = [q for q, r in enumerate(rewards) if len(set(r)) > 1][:B]
+            if not keep:  # nothing to learn: B tied pairs (zero advantage), as 2-GRPO would
+                tqdm.write(f"step {step + 1}: no mixed pair among {drawn} prompts "
+                           f"(--resample_cap {args.resample_cap}): training on {B} tied pairs, "
+                           "whose policy gradient is zero")
+                keep = list(range(B))
+            batch = [batch[q] for q in keep]
+            outputs = [outputs[q] for q in keep]
+            rewards = [rewards[q] for q in keep]
 
         # 3. advantages +1 / -1 (mixed pair), 0 / 0 (tied): docs/two_grpo.md#eq-pair-advantage
         with timer("reward"):
@@ -200,21 +198,22 @@ def main():
             train, coefs = rows_to_train(samples, args.loss_agg, args.max_tokens, B * G,
                                          args.skip_tied and args.beta == 0)
             trained = [samples[i] for i in train]
+            for s, c in zip(trained, coefs.tolist()):
+                s.coef = c
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
-            old = None  # on-policy (mu = 1): old = logp.detach()
-            if args.mu > 1:
-                old = sequence_logprobs(model, trained, **train_kw)
-            ref = None  # beta = 0: no reference model
-            if run.ref_model is not None:
-                ref = sequence_logprobs(run.ref_model, trained, **train_kw)
+            if args.mu > 1:  # else on-policy: old = logp.detach()
+                for s, lp in zip(trained, sequence_logprobs(model, trained, passes)):
+                    s.old_logps = lp
+            if run.ref_model is not None:  # beta = 0 loads no reference model
+                for s, lp in zip(trained, sequence_logprobs(run.ref_model, trained, passes)):
+                    s.ref_logps = lp
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, trained, coefs, old_logps=old,
-                                      ref_logps=ref, beta=args.beta, eps_low=args.eps_low,
-                                      eps_high=args.eps_high, tis_cap=args.tis_cap,
-                                      grad_clip=args.grad_clip, **train_kw)
+                stats = policy_update(model, run.optimizer, trained, passes, beta=args.beta,
+                                      clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
+                                      grad_clip=args.grad_clip)
                 run.scheduler.step()
 
         # 5. the engine samples the next step with the new weights

@@ -1,4 +1,5 @@
-"""Fixtures: tiny random Qwen2 models and tokenizers built and saved locally (nothing is downloaded)."""
+"""Fixtures: tiny random models (Qwen2, and Llama, Mistral, Gemma2, Cohere, Granite for the packing checks) and
+tokenizers built and saved locally (nothing is downloaded)."""
 import os
 import sys
 
@@ -46,9 +47,61 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    """(model in fp32 train mode with sdpa, tokenizer) loaded through the same functions the scripts use."""
+    """(model in fp32 train mode with the "varlen" attention, tokenizer) loaded through the same functions the scripts
+    use."""
     from common import load_model, load_tokenizer
     return load_model(tiny_dir, torch.device("cpu")), load_tokenizer(tiny_dir)
+
+
+# The packed-equals-alone check runs across these architectures (tests/test_packing.py): each one's own attention
+# code (GQA, MQA, qk-norm, a custom attention scale, sliding-window layers) and its own touch after the LM head
+# (Gemma2's final_logit_softcapping, Cohere's logit_scale, Granite's 1 / logits_scaling), which packed_logprobs must
+# apply since it computes the head itself. Head size 32, 2 layers, fp32; the embedding is padded past TINY_VOCAB.
+TINY_VOCAB = 290
+_BASE = dict(vocab_size=TINY_VOCAB + 30, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=None, eos_token_id=1,
+             tie_word_embeddings=False)
+ARCH_CONFIGS = {  # name -> (transformers config class name, its fields); none has a post-head touch but the last three
+    "llama": ("LlamaConfig", dict(num_key_value_heads=1, attention_bias=True)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=128)),  # window > every test sequence
+    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=16,
+                                    final_logit_softcapping=3.0, attn_logit_softcapping=None, sliding_window=128)),
+    "cohere": ("CohereConfig", dict(num_key_value_heads=1, logit_scale=0.25, use_qk_norm=True)),
+    "granite": ("GraniteConfig", dict(num_key_value_heads=1, logits_scaling=4.0, embedding_multiplier=3.0,
+                                      residual_multiplier=0.5, attention_multiplier=0.1)),
+}
+POST_HEAD = {"gemma2", "cohere", "granite"}  # their logits are not hidden @ lm_head.T
+
+
+def build_arch(folder, arch, lm_head_scale=20.0, seed=0, **overrides):
+    """A random tiny model of architecture `arch` (ARCH_CONFIGS), fp32, saved with save_pretrained (no tokenizer: the
+    tests feed token ids). The lm_head is scaled up so the logits spread over several units and every post-head touch
+    moves the log-probs visibly."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    config_class, fields = ARCH_CONFIGS[arch]
+    config = getattr(transformers, config_class)(**{**_BASE, **fields, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(lm_head_scale)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def arch_dir(tmp_path_factory):
+    """arch_dir(name) -> the folder of that tiny architecture, built once per session."""
+    built = {}
+
+    def folder(arch):
+        if arch not in built:
+            built[arch] = build_arch(str(tmp_path_factory.mktemp(arch) / "model"), arch)
+        return built[arch]
+    return folder
 
 
 def assert_grads_close(got, want, rel=1e-4):

@@ -1,10 +1,12 @@
 """bench.py compares equal work (its padded update has the packed update's gradient) and runs end to end."""
+import argparse
+import json
 import os
 import subprocess
 import sys
 
 from bench import padded_update, synthetic_samples
-from common import policy_update, token_coefficients
+from common import Passes, policy_update
 from conftest import RecordingOptimizer, assert_grads_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -12,13 +14,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_padded_update_has_the_packed_gradient(tiny):
     model, tokenizer = tiny
-    samples = synthetic_samples(12, "toy", len(tokenizer), seed=1)
-    coefs = token_coefficients([len(s.completion_ids) for s in samples], "seq_mean")
-    kw = dict(temperature=1.0, vocab_size=len(tokenizer), eps_low=0.2, eps_high=0.2, beta=0.0, grad_clip=1e9)
+    samples = synthetic_samples(12, "toy", len(tokenizer), seed=1)  # seq-mean coefficients set
+    assert abs(sum(s.coef * len(s.completion_ids) for s in samples) - 1) < 1e-6
     grads = []
-    for fn, budget in ((policy_update, 128), (padded_update, 100)):
+    for update, budget in ((policy_update, 128), (padded_update, 100)):
         opt = RecordingOptimizer(model)
-        fn(model, opt, samples, coefs, token_budget=budget, **kw)
+        extra = dict(clip=(0.2, 0.2), beta=0.0) if update is policy_update else {}
+        passes = Passes(1.0, len(tokenizer), budget, 7)  # 7 rows per chunk: several log-prob chunks per micro-batch
+        update(model, opt, samples, passes, grad_clip=1e9, **extra)
         grads.append(opt.grads)
     assert_grads_close(grads[1], grads[0])
 
@@ -106,16 +109,21 @@ def test_ideal_ratios_and_the_ideal_step():
     assert ideal_step(ideal_ratios(1.0), grpo) == 1.0  # GRPO, 2-GRPO, MMR-GRPO
 
 
-def test_matched_flags_sample_the_same_rollouts():
-    from bench import matched_flags
+def test_breakdown_flags_sample_the_same_rollouts():
+    from bench import script_flags
     from cppo import kept_per_question, questions_to_sample
     Q, G, P = 16, 16, 0.875
+    args = argparse.Namespace(questions=Q, group=G, pruning=P, rollout="hf", model=None, breakdown_steps=3)
     for method in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
-        flags = matched_flags(method, Q, G, P)
+        flags = script_flags(args, "breakdown", "toy", method, 0)
         B, g = int(flags[flags.index("--prompts_per_step") + 1]), int(flags[flags.index("--group_size") + 1])
         questions = questions_to_sample(B, g, kept_per_question(g, P)) if method == "cppo" else B
         assert questions * g == Q * G, method
-    assert matched_flags("two_grpo", Q, G, P)[1:4:2] == ["128", "2"]
+        assert flags[flags.index("--lr") + 1] == "0.0003" and ("--pruning" in flags) == (method == "cppo")
+    assert script_flags(args, "breakdown", "toy", "two_grpo", 0)[5:8:2] == ["128", "2"]
+    learning = argparse.Namespace(rollout="hf", model="m", eval_every=5, learn_steps=None, eval_n=7)
+    assert script_flags(learning, "learning", "chains", "cppo", 2) == [
+        "--dataset", "chains", "--rollout", "hf", "--model", "m", "--seed", "2", "--eval_every", "5", "--eval_n", "7"]
 
 
 def test_curve_and_first_reaching():
@@ -192,6 +200,20 @@ def test_bench_learning_on_chains_reports_accuracy_by_chain_length(tmp_path):
     assert log.stat().st_mtime_ns == stamp
     assert [line for line in (out / "results.md").read_text().splitlines() if line.startswith("| grpo |")] == \
         [line for line in text.splitlines() if line.startswith("| grpo |")]
+    # a run without the bench's finished mark (cut short) is deleted and run again: the script refuses a used folder
+    (runs / "chains-learning-grpo-0" / "bench_flags.json").unlink()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert log.stat().st_mtime_ns != stamp and (runs / "chains-learning-grpo-0" / "bench_flags.json").exists()
+    assert "checkpoint-1" in os.listdir(runs / "chains-learning-grpo-0")
+    # the by-length table generates on its own (transformers): its "all" column is the script's greedy evaluation
+    logged = [json.loads(line) for line in (runs / "chains-learning-grpo-0" / "metrics.jsonl").read_text().splitlines()]
+    report = (out / "results.md").read_text()
+    by_length = report[report.index("| policy | n = "):].split("\n\n")[0].splitlines()[2:]  # its rows
+    table = {line.split(" | ")[0][2:]: float(line.split(" | ")[-1][:-2]) for line in by_length}
+    assert abs(table["initial policy"] - logged[0]["eval_accuracy"]) < 1e-3
+    assert abs(table["grpo"] - logged[-1]["eval_accuracy"]) < 1e-3
     assert "## 1. `chains`: learning, side by side" in text and "## 2. `chains`: accuracy by chain length" in text
     assert (out / "results" / "bylength-chains.png").read_bytes()[:4] == b"\x89PNG"
     rows = [line for line in text.splitlines() if line.startswith(("| initial policy |", "| grpo |"))]

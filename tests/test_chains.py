@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common import load_tokenizer, math_reward
-from common import DATASETS, parse_args
+from common import DATASETS, parse_args, setup
 from toy.chains.build import (DROP_CARRY, LENGTHS, REVERSED, add, make_splits, teacher,
                               teacher_accuracy, warm_problems, write_jsonl)
 
@@ -180,40 +180,38 @@ def test_a_few_steps_of_grpo_on_chains_end_to_end(tmp_path):
 
 def test_recipe_and_missing_files(tmp_path, monkeypatch, capsys):
     """--dataset chains fills its recipe (an explicit flag still wins, --help shows both); with its
-    files gone, one line says how to build them (exit 2)."""
+    files gone, setup() stops with one line naming what is missing (exit 2) before it writes anything."""
     from grpo import Args
     out = ["--out", str(tmp_path / "o")]
-    args, _ = parse_args(Args, "grpo", "", ["--dataset", "chains", *out])
+    args = parse_args(Args, "grpo", "", argv=["--dataset", "chains", *out])
     recipe = DATASETS["chains"]
     assert (args.model, args.prompts_per_step, args.max_tokens, args.lr, args.steps) == (
         recipe["model"], recipe["prompts_per_step"], recipe["max_tokens"], recipe["lr"], recipe["steps"])
-    args, _ = parse_args(Args, "grpo", "", ["--dataset", "chains", "--model", "elsewhere", *out])
+    args = parse_args(Args, "grpo", "", argv=["--dataset", "chains", "--model", "elsewhere", *out])
     assert args.model == "elsewhere"
     with pytest.raises(SystemExit) as e:
-        parse_args(Args, "grpo", "", ["--help"])
+        parse_args(Args, "grpo", "", argv=["--help"])
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
     assert e.value.code == 0
     for text in [f"chains {recipe['steps']}", f"chains {recipe['prompts_per_step']}", "chains toy/chains/model",
                  f"chains {recipe['max_tokens']}", f"chains {recipe['eval_n']}"]:
         assert text in shown, text
+
+    def refused(*flags):
+        with pytest.raises(SystemExit) as e:
+            setup(parse_args(Args, "grpo", "", argv=["--dataset", "chains", "--rollout", "hf", *flags, *out]), "grpo")
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+        return err[0]
     monkeypatch.setitem(DATASETS, "chains", {**recipe, "model": str(tmp_path / "gone")})
-    with pytest.raises(SystemExit) as e:
-        parse_args(Args, "grpo", "", ["--dataset", "chains", *out])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and "build it with `python toy/chains/build.py`" in err[0]
+    assert f"--model {str(tmp_path / 'gone')!r}" in refused()
     monkeypatch.setitem(DATASETS, "chains", {**recipe, "path": str(tmp_path / "gone")})
-    with pytest.raises(SystemExit) as e:  # the data are needed even with a model of one's own
-        parse_args(Args, "grpo", "", ["--dataset", "chains", "--model", MODEL, *out])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and "gone/train.jsonl is missing" in err[0]
+    assert "--dataset 'chains'" in refused("--model", MODEL)  # the data are needed even with a model of one's own
     # a build that stopped half-way: the folders are there, a file is not
     half = tmp_path / "half"
     shutil.copytree(recipe["model"], half / "model")
     shutil.copytree(recipe["path"], half / "data")
     (half / "model" / "model.safetensors").unlink()
     monkeypatch.setitem(DATASETS, "chains", {**recipe, "path": str(half / "data"), "model": str(half / "model")})
-    with pytest.raises(SystemExit) as e:
-        parse_args(Args, "grpo", "", ["--dataset", "chains", *out])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and "model.safetensors is missing: build it with" in err[0]
+    assert "model.safetensors" in refused()
     assert not (tmp_path / "o").exists()

@@ -1,51 +1,77 @@
-"""Checkpoints survive a kill at any point of the save, and a metrics line cut short by a kill is dropped on resume."""
+"""Checkpoints: out/checkpoint-<step>/ (model/ and then state.pt), the two newest kept, a save cut short ignored, state.pt
+read weights_only (also when a GPU run wrote it), and a metrics line cut short by a kill dropped on resume."""
 import json
 import os
 
 import pytest
 import torch
 
-from common import make_optimizer
-from common import load_checkpoint, open_metrics, recover_checkpoint, save_checkpoint
+from common import checkpoints, make_optimizer, open_metrics, read_checkpoint, save_checkpoint
 
 
-def test_save_load_and_recover_after_a_kill_between_renames(tiny, tmp_path):
+def listing(out):
+    return sorted(os.listdir(out), key=lambda name: int(name.rsplit("-", 1)[1]))
+
+
+def test_the_two_newest_checkpoints_are_kept_in_step_order(tiny, tmp_path):
     model, tokenizer = tiny
     out = str(tmp_path)
     optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
-    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=3, cursor=24)
-    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=4, cursor=32)
-    assert sorted(os.listdir(out)) == ["checkpoint"]
-    # a kill after "checkpoint -> checkpoint.old" and before "checkpoint.tmp -> checkpoint": both copies complete
-    os.rename(os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.tmp"))
-    recover_checkpoint(out)
-    state = load_checkpoint(out, optimizer, scheduler)
-    assert (state["step"], state["cursor"]) == (4, 32)
-    # a kill while writing checkpoint.tmp (no state.pt yet): the old one is used
-    os.rename(os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.old"))
-    os.makedirs(os.path.join(out, "checkpoint.tmp", "model"))
-    recover_checkpoint(out)
-    assert load_checkpoint(out, optimizer, scheduler)["step"] == 4
-    assert torch.get_rng_state().equal(torch.load(os.path.join(out, "checkpoint", "state.pt"),
-                                                  weights_only=True)["rng"]["torch"])
+    for step in (4, 9, 10):  # 10 after 9: the steps are compared as numbers, not as text
+        save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=step, cursor=8 * step, extra={"kept": [step]})
+    assert listing(out) == ["checkpoint-9", "checkpoint-10"]
+    assert checkpoints(out) == [os.path.join(out, "checkpoint-9"), os.path.join(out, "checkpoint-10")]
+    newest = checkpoints(out)[-1]
+    assert sorted(os.listdir(newest)) == ["model", "state.pt"]
+    assert os.path.exists(os.path.join(newest, "model", "model.safetensors"))
+    assert os.path.exists(os.path.join(newest, "model", "tokenizer_config.json"))
+    state = read_checkpoint(newest)
+    assert (state["step"], state["cursor"], state["kept"]) == (10, 80, [10])
+    assert set(state) == {"step", "cursor", "optimizer", "scheduler", "kept"}  # no RNG states
 
 
-def test_rng_states_round_trip_through_the_weights_only_loader(tiny, tmp_path):
-    """Python's, numpy's and torch's generators continue exactly where the checkpoint left them."""
-    import random
-    import numpy as np
+def test_a_save_cut_short_is_ignored_and_then_removed(tiny, tmp_path):
+    """A kill while model/ is written leaves a checkpoint folder without state.pt: checkpoints() does not list it (a
+    resume takes the newest complete one), and the next save removes it (or redoes it, for the same step)."""
     model, tokenizer = tiny
+    out = str(tmp_path)
     optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
-    random.seed(5)
-    np.random.seed(6)
-    torch.manual_seed(7)
-    save_checkpoint(str(tmp_path), model, tokenizer, optimizer, scheduler, step=1, cursor=8)
-    want = (random.random(), np.random.rand(), torch.rand(1).item())
-    random.seed(0)
-    np.random.seed(0)
-    torch.manual_seed(0)
-    load_checkpoint(str(tmp_path), optimizer, scheduler)
-    assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=2, cursor=16)
+    for step in (4, 9):  # a save of step 4 cut short, and a stray one of a later step
+        os.makedirs(os.path.join(out, f"checkpoint-{step}", "model"))
+        open(os.path.join(out, f"checkpoint-{step}", "model", "model.safetensors"), "wb").write(b"half")
+    assert checkpoints(out) == [os.path.join(out, "checkpoint-2")]
+    assert checkpoints(str(tmp_path / "nothing")) == []
+    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=4, cursor=32)
+    assert listing(out) == ["checkpoint-2", "checkpoint-4"]
+    assert read_checkpoint(os.path.join(out, "checkpoint-4"))["cursor"] == 32
+
+
+@pytest.mark.parametrize("damage", ["truncated", "a pickle payload"])
+def test_a_damaged_state_file_is_one_line_and_runs_nothing(tiny, tmp_path, capsys, damage):
+    """read_checkpoint loads state.pt with weights_only: a damaged one, or one whose pickle would run code, is one
+    line and exit 2 (the payload never runs). Damaged weights are setup()'s to refuse (tests/test_cli.py)."""
+    model, tokenizer = tiny
+    out = str(tmp_path / "run")
+    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
+    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=1, cursor=8)
+    folder = checkpoints(out)[-1]
+    state_path = os.path.join(folder, "state.pt")
+    if damage == "truncated":
+        data = open(state_path, "rb").read()
+        open(state_path, "wb").write(data[:len(data) // 2])
+    else:
+        class Payload:
+            def __reduce__(self):
+                return (os.system, (f"touch {tmp_path / 'pwned'}",))
+        torch.save({**read_checkpoint(folder), "extra": Payload()}, state_path)
+    capsys.readouterr()  # what the save printed (transformers' progress bar)
+    with pytest.raises(SystemExit) as e:
+        read_checkpoint(folder)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: --resume: {folder} is damaged or is not a checkpoint this code wrote"), err
+    assert not (tmp_path / "pwned").exists()
 
 
 def test_resume_drops_rows_after_the_checkpoint_and_a_cut_line(tmp_path):
@@ -55,11 +81,15 @@ def test_resume_drops_rows_after_the_checkpoint_and_a_cut_line(tmp_path):
     f.write(json.dumps({"step": 5}) + "\n")
     f.close()
     assert [json.loads(line)["step"] for line in open(path)] == [0, 1, 2, 3, 4, 5]
+    f = open_metrics(str(tmp_path))  # a fresh run starts the file over
+    f.close()
+    assert path.read_text() == ""
 
 
 def test_a_checkpoint_written_on_a_gpu_resumes_on_this_device(tiny, tmp_path, monkeypatch):
     """--resume of a GPU run on a CPU-only machine: state.pt's tensors say 'cuda:0' (written here by making torch.save
-    tag every storage so, as a GPU run's are), and must load onto the model's device with the optimiser state on it."""
+    tag every storage so, as a GPU run's are), and must load onto the model's device with the optimiser state on it
+    (read_checkpoint, then optimizer.load_state_dict, as setup() does)."""
     model, tokenizer = tiny
     optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
     for p in model.parameters():
@@ -70,11 +100,14 @@ def test_a_checkpoint_written_on_a_gpu_resumes_on_this_device(tiny, tmp_path, mo
     with monkeypatch.context() as m:
         m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
         save_checkpoint(str(tmp_path), model, tokenizer, optimizer, scheduler, step=2, cursor=16)
+    folder = checkpoints(str(tmp_path))[-1]
     if not torch.cuda.is_available():  # the file really claims a GPU: a plain load fails here
         with pytest.raises(RuntimeError, match="CUDA"):
-            torch.load(tmp_path / "checkpoint" / "state.pt", weights_only=True)
+            torch.load(os.path.join(folder, "state.pt"), weights_only=True)
     optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
-    state = load_checkpoint(str(tmp_path), optimizer, scheduler)
+    state = read_checkpoint(folder)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
     assert (state["step"], state["cursor"]) == (2, 16)
     got = optimizer.state[next(model.parameters())]
     device = next(model.parameters()).device

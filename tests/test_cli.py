@@ -1,7 +1,9 @@
-"""grpo.py from the command line: bad input fails fast with one line and exit code 2, the toy trains end to end,
-and an interrupted run resumed with --resume continues at the right step with the same data order."""
+"""grpo.py from the command line: bad input fails fast with one line and exit code 2 (a damaged run to resume, a run
+folder that is a file or already holds a run included), the toy trains end to end, and an interrupted run resumed with
+--resume continues at the right step with the same data order."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,18 +11,30 @@ import time
 
 import pytest
 
+from common import checkpoints
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--prompts_per_step", "8", "--group_size", "4", "--eval_n", "16"]
+LOADED = "parameters on"  # setup()'s first line, printed once the models are loaded
 
 
-def run(args, script="grpo.py", timeout=600):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+def run(args, script="grpo.py", timeout=600, env=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, os.path.join(REPO, script), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
 
 
 def rows(out):
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def one_line(result):
+    """The error line of a run refused as bad input: exit code 2, exactly one stderr line, nothing loaded."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+    assert LOADED not in result.stdout, result.stdout[-2000:]
+    return lines[0]
 
 
 @pytest.fixture
@@ -31,8 +45,8 @@ def bad_jsonl(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "/no/such/model"], "--model '/no/such/model': no model folder there"),
-    (["--dataset", "no_such_set"], "--dataset 'no_such_set' is neither a known name"),
+    (["--model", "/no/such/model"], "--model '/no/such/model'"),
+    (["--dataset", "no_such_set"], "--dataset 'no_such_set': no such file or folder (names: toy, chains"),
     (["--dataset", "{tmp}/bad.jsonl"], "bad.jsonl: line 2 is not valid JSON"),
     (["--dataset", "{tmp}/empty.jsonl"], "empty.jsonl: no rows"),
     (["--group_size", "1"], "--group_size 1 has no unbiased std"),
@@ -45,23 +59,28 @@ def bad_jsonl(tmp_path):
     (["--resume", "{tmp}/nothing"], "no checkpoint there"),
     (["--grad_clip=-1"], "--grad_clip must be >= 0"),
     (["--grad_clip", "nan"], "--grad_clip must be >= 0"),
-    (["--steps", "2000000"], "--steps must be below 1048576"),
+    (["--steps", "2000000"], "--steps must be in [0, 2^20) (got 2000000)"),
     (["--weight_decay=-0.1"], "--weight_decay must be >= 0"),
     (["--adv_eps=-1e-4"], "--adv_eps must be >= 0"),
     (["--warmup_steps=-5"], "--warmup_steps must be >= 0"),
-    (["--eps_low", "1"], "--eps_low must be < 1"),
-    (["--tis_cap", "0.5"], "--tis_cap caps pi_trainer / pi_engine"),
-    (["--vllm_gpu_memory", "1.5"], "--vllm_gpu_memory is a fraction"),
-    (["--seed=-1"], "--seed must be in [0, 524288)"),
-    (["--prompts_per_step", "100000", "--group_size", "200"], "at most 16777215 rollouts per step"),
+    (["--eps_low", "1"], "--eps_low must be in [0, 1)"),
+    (["--tis_cap", "0.5"], "--tis_cap must be 0 (off) or at least 1"),
+    (["--vllm_gpu_memory", "1.5"], "--vllm_gpu_memory must be in (0, 1]"),
+    (["--seed=-1"], "--seed must be in [0, 2^19)"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(bad_jsonl, args, message):
     out = bad_jsonl / "out"
-    result = run([a.replace("{tmp}", str(bad_jsonl)) for a in args] + ["--out", str(out)])
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    line = one_line(run([a.replace("{tmp}", str(bad_jsonl)) for a in args] + ["--out", str(out)]))
+    assert message in line, line
     assert not out.exists()
+
+
+def test_an_out_that_is_a_file_is_refused_before_loading(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("mine\n")
+    line = one_line(run(SMALL + ["--rollout", "hf", "--out", str(path)]))
+    assert f"--out {str(path)!r} is a file, not a folder" in line, line
+    assert path.read_text() == "mine\n"
 
 
 def test_help_explains_every_flag():
@@ -74,7 +93,8 @@ def test_help_explains_every_flag():
 
 
 def test_toy_end_to_end_then_resume_after_a_kill(tmp_path):
-    """A run killed mid-way resumes at its last checkpoint: every step logged once, same prompts as uninterrupted."""
+    """A run killed mid-way resumes at its last checkpoint: every step logged once, the data order continued from
+    the checkpoint's cursor ((seed, cursor) fix the prompts: tests/test_data.py), the two newest checkpoints kept."""
     out = str(tmp_path / "run")
     args = SMALL + ["--steps", "5", "--save_every", "2", "--eval_every", "2", "--out", out]
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), *args], cwd=REPO, stdout=subprocess.DEVNULL,
@@ -87,6 +107,10 @@ def test_toy_end_to_end_then_resume_after_a_kill(tmp_path):
         time.sleep(0.2)
     assert proc.wait() == -signal.SIGKILL, proc.stderr.read()[-3000:]
     assert json.load(open(os.path.join(out, "config.json")))["args"]["steps"] == 5
+    import torch
+    assert checkpoints(out) == [os.path.join(out, "checkpoint-2")]
+    state = torch.load(os.path.join(out, "checkpoint-2", "state.pt"), weights_only=True)
+    assert (state["step"], state["cursor"]) == (2, 2 * 8)  # where the resumed run takes up the data order
     result = run(["--resume", out])
     assert result.returncode == 0, result.stderr[-3000:]
     logged = rows(out)
@@ -94,16 +118,18 @@ def test_toy_end_to_end_then_resume_after_a_kill(tmp_path):
     evals = [r["step"] for r in logged if "eval_accuracy" in r]
     assert train == [1, 2, 3, 4, 5] and evals == [0, 2, 4, 5]
     needed = {"step", "reward_mean", "loss", "rollout_s", "update_s", "kl", "grad_norm", "tokens_per_s", "truncated",
-              "zero_std_groups", "verify_timeouts"}
+              "zero_std_groups", "verify_timeouts", "step_s"}
     assert needed <= set(logged[1]) and all(0 <= r["reward_mean"] <= 1 for r in logged if "reward_mean" in r)
     if json.load(open(os.path.join(out, "config.json")))["engine"] == "VLLMEngine":  # only vLLM reports its log-probs
         assert logged[1]["mismatch_logp"] < 1e-3  # vLLM and the trainer agree in fp32
     else:
         assert "mismatch_logp" not in logged[1]
-    import torch
-    state = torch.load(os.path.join(out, "checkpoint", "state.pt"), weights_only=True)
+    assert checkpoints(out) == [os.path.join(out, "checkpoint-4"), os.path.join(out, "checkpoint-5")]
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint")) == ["checkpoint-4", "checkpoint-5"]
+    state = torch.load(os.path.join(out, "checkpoint-5", "state.pt"), weights_only=True)
     assert state["step"] == 5 and state["cursor"] == 5 * 8
-    assert os.path.exists(os.path.join(out, "checkpoint", "model", "model.safetensors"))
+    assert torch.load(os.path.join(out, "checkpoint-4", "state.pt"), weights_only=True)["cursor"] == 4 * 8
+    assert os.path.exists(os.path.join(out, "checkpoint-5", "model", "model.safetensors"))
     assert "nothing to do" in run(["--resume", out]).stdout
 
 
@@ -117,34 +143,87 @@ def test_hf_rollout_fallback_runs(tmp_path):
 
 
 def test_hub_ids_fail_fast_without_network(tmp_path):
-    """Offline (as here, and as HF_HUB_OFFLINE=1 says), a hub model or dataset is one line naming the way out,
-    without the half minute of huggingface_hub's retries (the message is only written when hub_offline() said so)."""
+    """HF_HUB_OFFLINE=1 and nothing cached: a hub model or dataset is one line naming the flag, exit 2."""
     cache = tmp_path / "empty-hf-cache"  # nothing cached, whatever this machine's own cache holds
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(cache), "HF_DATASETS_CACHE": str(cache / "datasets")}
     for args, what in [(["--model", "Qwen/Qwen2.5-0.5B-Instruct"], "--model 'Qwen/Qwen2.5-0.5B-Instruct'"),
-                       (["--dataset", "math500"], "could not load HuggingFaceH4/MATH-500")]:
-        result = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), *args, "--out", str(tmp_path / "o")],
-                                capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, **env})
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
-        assert what in lines[0] and "cannot be reached" in lines[0] and "local" in lines[0], lines[0]
+                       (["--dataset", "math500"], "--dataset 'math500'")]:
+        line = one_line(run([*args, "--out", str(tmp_path / "o")], timeout=120, env=env))
+        assert what in line, line
         assert not (tmp_path / "o").exists()
 
 
-def test_resume_refuses_a_tampered_state_file(tmp_path):
-    """state.pt is read with torch.load(weights_only=True): a pickle that would run code is refused, one line."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory):
+    """A finished one-step run (HF engine); tests damage copies of it."""
+    out = tmp_path_factory.mktemp("one-step") / "run"
     result = run(SMALL + ["--rollout", "hf", "--steps", "1", "--eval_every", "0", "--out", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_resume_refuses_a_tampered_state_file(one_step_run, tmp_path):
+    """state.pt is read with torch.load(weights_only=True): a pickle that would run code is refused, one line."""
+    out = tmp_path / "run"
+    shutil.copytree(one_step_run, out)
     import torch
-    state = torch.load(out / "checkpoint" / "state.pt", weights_only=True)  # what the code wrote loads safely
-    assert state["step"] == 1 and set(state["rng"]) == {"python", "numpy", "torch"}
+    state = torch.load(out / "checkpoint-1" / "state.pt", weights_only=True)  # what the code wrote loads safely
+    assert state["step"] == 1 and set(state) == {"step", "cursor", "optimizer", "scheduler"}
 
     class Payload:
         def __reduce__(self):
             return (os.system, (f"touch {tmp_path / 'pwned'}",))
-    torch.save({**state, "extra": Payload()}, out / "checkpoint" / "state.pt")
-    result = run(["--resume", str(out), "--steps", "2"])
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and "is not a checkpoint this code wrote" in lines[-1], result.stderr[-2000:]
+    torch.save({**state, "extra": Payload()}, out / "checkpoint-1" / "state.pt")
+    line = one_line(run(["--resume", str(out), "--steps", "2"]))
+    assert "is not a checkpoint this code wrote" in line, line
     assert not (tmp_path / "pwned").exists()
+
+
+def damaged_copy(one_step_run, tmp_path, damage):
+    """A copy of the one-step run with `damage` (config.json garbled, model.safetensors garbage bytes, state.pt cut
+    short); (its folder, its metrics.jsonl's bytes)."""
+    out = tmp_path / "run"
+    shutil.copytree(one_step_run, out)
+    path = {"config.json": out / "config.json", "model.safetensors": out / "checkpoint-1" / "model" / damage,
+            "state.pt": out / "checkpoint-1" / "state.pt"}[damage]
+    data = path.read_bytes()
+    path.write_bytes(b"{not json" if damage == "config.json" else os.urandom(4096) if damage == "model.safetensors"
+                     else data[:len(data) // 2])
+    return out, (out / "metrics.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("config.json", "its config.json cannot be read"),
+    ("model.safetensors", "error: "),  # which words: test_a_damaged_checkpoint_model_is_named
+    ("state.pt", "is damaged or is not a checkpoint this code wrote"),
+])
+def test_resume_of_a_damaged_run_is_one_line_and_loads_nothing(one_step_run, tmp_path, damage, message):
+    """A garbled config.json, newest model.safetensors (garbage bytes) or state.pt (cut short): one line, exit 2,
+    before any model is loaded, and the run folder's metrics are left as they were."""
+    out, metrics = damaged_copy(one_step_run, tmp_path, damage)
+    line = one_line(run(["--resume", str(out), "--steps", "2"]))
+    assert message in line, line
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_a_damaged_checkpoint_model_is_named(one_step_run, tmp_path):
+    """The line names the checkpoint whose weights are damaged, not the base --model that loads fine."""
+    out, _ = damaged_copy(one_step_run, tmp_path, "model.safetensors")
+    line = one_line(run(["--resume", str(out), "--steps", "2"]))
+    assert str(out / "checkpoint-1") in line, line
+
+
+@pytest.mark.parametrize("holds", ["a checkpoint", "a metrics.jsonl only"])
+def test_a_fresh_run_into_a_folder_that_holds_a_run_is_refused(one_step_run, tmp_path, holds):
+    """Without --resume, --out must not hold a run (a checkpoint, or only the metrics.jsonl of a run killed before
+    its first checkpoint): one line, and the old run's metrics.jsonl and checkpoint are left as they were."""
+    out = tmp_path / "run"
+    shutil.copytree(one_step_run, out)
+    if holds == "a metrics.jsonl only":
+        shutil.rmtree(out / "checkpoint-1")
+    metrics = (out / "metrics.jsonl").read_bytes()
+    assert metrics.count(b"\n") == 2  # steps 0 and 1
+    line = one_line(run(SMALL + ["--rollout", "hf", "--steps", "1", "--out", str(out)]))
+    assert f"--out {str(out)!r} already holds a run" in line, line
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+    assert checkpoints(str(out)) == ([str(out / "checkpoint-1")] if holds == "a checkpoint" else [])

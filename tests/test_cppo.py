@@ -193,15 +193,17 @@ def test_pruned_rows_never_reach_the_old_reference_or_update_passes(tiny_dir, tm
     updates = []
     real_update = cppo.policy_update
 
-    def spying_update(model, optimizer, samples, coefs, **kw):
-        updates.append(([s.advantage for s in samples], coefs.clone(), [len(s.completion_ids) for s in samples],
+    def spying_update(model, optimizer, samples, passes, **kw):
+        updates.append(([s.advantage for s in samples], torch.tensor([s.coef for s in samples]),
+                        [len(s.completion_ids) for s in samples],
                         sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)))
-        return real_update(model, optimizer, samples, coefs, **kw)
+        return real_update(model, optimizer, samples, passes, **kw)
     monkeypatch.setattr(common, "load_model", spying_load_model)
     monkeypatch.setattr(cppo, "policy_update", spying_update)
-    monkeypatch.setattr(common, "make_engine", lambda kind, model, tok, *a, **kw: FakeEngine(tok))
+    monkeypatch.setattr(common, "HFEngine", lambda model, tok, *a, **kw: FakeEngine(tok))  # --rollout hf below
     out = tmp_path / "run"
     monkeypatch.setattr(sys, "argv", ["cppo.py", "--model", tiny_dir, "--dataset", str(data), "--out", str(out),
+                                      "--rollout", "hf",
                                       "--prompts_per_step", "2", "--group_size", "4", "--pruning", "0.5",
                                       "--prune_scope", scope, "--steps", "3", "--eval_n", "4", "--max_tokens", "16"])
     cppo.main()
@@ -223,7 +225,7 @@ def test_pruned_rows_never_reach_the_old_reference_or_update_passes(tiny_dir, tm
         torch.testing.assert_close(coefs, torch.full((8,), 1 / sum(lengths)))
     logged = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in logged] == [0, 1, 2, 3]
-    assert json.load(open(out / "config.json"))["args"]["warmup_steps"] == 1  # round(0.1 * 3 steps * mu 2)
+    assert json.load(open(out / "config.json"))["warmup_steps"] == 1  # resolved: round(0.1 * 3 steps * mu 2)
     assert logged[1]["questions"] == 4 and logged[1]["kept_frac"] == 0.5
     assert logged[1]["rollouts"] == 16 and logged[1]["trained_rollouts"] == 8
     # kept_token_frac: the kept rows' prompt + completion tokens over every sampled row's (`tokens`)
@@ -275,7 +277,7 @@ def test_toy_cli_run_logs_the_pruning(tmp_path):
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["questions_per_step"] == 8 and config["kept_per_question"] == 2 and config["method"] == "cppo"
     assert config["ideal_trained_fraction"] == 0.25  # k / G = 1 - P
-    assert config["args"]["warmup_steps"] == 0 and config["args"]["mu"] == 2  # round(0.1 * 2 steps * mu 2) = 0
+    assert config["warmup_steps"] == 0 and config["args"]["mu"] == 2  # round(0.1 * 2 steps * mu 2) = 0
     logged = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in logged] == [0, 1, 2] and "eval_accuracy" in logged[0] and "eval_accuracy" in logged[2]
     grpo_keys = {"reward_mean", "reward_std", "loss", "kl", "clip_frac", "grad_norm", "micro_batches", "train_tokens",
@@ -289,11 +291,11 @@ def test_toy_cli_run_logs_the_pruning(tmp_path):
         assert not {"train_s", "train_s_full_est", "train_s_saved_est"} & set(r)  # no estimates in the loop
         assert r["rollouts"] == 64 and r["trained_rollouts"] == 16
         assert r["questions"] == 8 and r["kept_frac"] == 0.25 and 0 < r["kept_token_frac"] < 1
-        # exclusive phases: together they are the step, up to the logging between them
+        # phases do not nest: together they are the step, up to the logging between them
         assert sum(r[p] for p in phases) == pytest.approx(r["step_s"], rel=0.05, abs=0.05)
         # the update trained exactly the kept tokens: 16 completions, their completion tokens only
         assert r["train_tokens"] <= 16 * 24
-    state = torch.load(os.path.join(out, "checkpoint", "state.pt"), weights_only=True)
+    state = torch.load(os.path.join(out, "checkpoint-2", "state.pt"), weights_only=True)
     assert state["step"] == 2 and state["cursor"] == 2 * 8
 
 

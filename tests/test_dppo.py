@@ -1,6 +1,7 @@
 """dppo.py: keep probabilities, the fixed-size draw, Horvitz-Thompson weights and the window packer against values
 computed by hand; the key property, that the pruned and reweighted gradient averages to the full-batch GRPO gradient
 over random prunings (while dropping without reweighting does not); and the script from the command line."""
+import dataclasses
 import json
 import math
 import os
@@ -14,8 +15,8 @@ import torch
 from conftest import RecordingOptimizer, assert_grads_close, make_samples
 
 import dppo
-from common import packing_density
-from common import group_advantages, policy_update, sequence_logprobs, token_coefficients
+from common import Passes, checkpoints, group_advantages, policy_update, sequence_logprobs, token_coefficients
+from dppo import packing_density
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,7 +128,13 @@ def test_window_pack_and_density_by_hand():
 REWARDS = [[1, 0, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 1, 1], [1, 1, 0, 1]]
 HISTORY = {1: True, 2: True, 4: True, 5: False}  # candidates 1, 2, 4 tied when last seen
 LENGTHS = [(3 + q % 3, 2 + (5 * q + 3 * i) % 7) for q in range(6) for i in range(4)]  # ragged (prompt, completion)
-KW = dict(temperature=1.0, token_budget=64, eps_low=0.2, eps_high=0.2, beta=0.1, grad_clip=1e9)
+KW = dict(clip=(0.2, 0.2), beta=0.1, grad_clip=1e9)  # policy_update's; the passes: temperature 1, budget 64
+
+
+def with_coefs(samples, coefs, refs=None):
+    """Copies of `samples` carrying their coefficients c_i (and reference log-probs), as dppo.py sets them."""
+    refs = refs or [s.ref_logps for s in samples]
+    return [dataclasses.replace(s, coef=float(c), ref_logps=r) for s, c, r in zip(samples, coefs, refs)]
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +147,15 @@ def batch(tiny):
     samples = make_samples(vocab, seed=11, lengths=LENGTHS)
     for s, a in zip(samples, group_advantages(torch.tensor(REWARDS, dtype=torch.float32)).flatten().tolist()):
         s.advantage = a
-    ref = [lp - 0.1 * torch.arange(len(lp)) for lp in sequence_logprobs(model, samples, 1.0, vocab, 1024)]
+    passes = Passes(1.0, vocab, token_budget=64)
+    ref = [lp - 0.1 * torch.arange(len(lp)) for lp in sequence_logprobs(model, samples, passes)]
+    samples = with_coefs(samples, [1.0] * len(samples), ref)
     per_sample = []
-    for s, r in zip(samples, ref):
+    for s in samples:
         opt = RecordingOptimizer(model)
-        policy_update(model, opt, [s], torch.ones(1), vocab_size=vocab, ref_logps=[r], **KW)
+        policy_update(model, opt, [s], passes, **KW)
         per_sample.append(torch.cat([g.flatten() for g in opt.grads.values()]).double())
-    return model, vocab, samples, ref, torch.stack(per_sample)  # H [24, P]
+    return model, passes, samples, torch.stack(per_sample)  # H [24, P]
 
 
 def draw(samples, r_q, r_o, floor, loss_agg, rng, cache):
@@ -172,7 +181,7 @@ def test_pruned_gradient_is_unbiased_and_dropping_without_weights_is_not(batch, 
     """docs/dppo.md#eq-unbiased: over many random prunings (r_q, r_o = 0.5 or 0, floor 0.1), the mean of the pruned,
     reweighted gradient equals the full-batch GRPO gradient within 3 standard errors; the same prunings with weight 1
     and kept-count normalisers miss it by far more. token_mean is exact without prompt pruning only (#eq-token-mean)."""
-    model, vocab, samples, ref, H = batch
+    model, passes, samples, H = batch
     n, M, rng, cache = len(samples), 3000, np.random.default_rng(0), {}
     full = token_coefficients([len(s.completion_ids) for s in samples], loss_agg, max_len=12).double()
     a, b = torch.zeros(M, n, dtype=torch.float64), torch.zeros(M, n, dtype=torch.float64)  # coefficients per draw
@@ -195,15 +204,14 @@ def test_pruned_gradient_is_unbiased_and_dropping_without_weights_is_not(batch, 
     for _ in range(3):
         kept, coefs, _ = draw(samples, r_q, 0.5, 0.1, loss_agg, rng, cache)
         opt = RecordingOptimizer(model)
-        policy_update(model, opt, [samples[i] for i in kept], coefs.float(), vocab_size=vocab,
-                      ref_logps=[ref[i] for i in kept], **KW)
+        policy_update(model, opt, with_coefs([samples[i] for i in kept], coefs.float().tolist()), passes, **KW)
         want = (coefs @ H[kept]).float().split([g.numel() for g in opt.grads.values()])  # sum_i c_i h_i
         assert_grads_close(opt.grads, {k: w.view_as(g) for (k, g), w in zip(opt.grads.items(), want)})
 
 
 def test_nothing_pruned_is_exactly_the_grpo_gradient(batch):
     """r_q = r_o = 0: every draw keeps everything with weight 1 and grpo.py's coefficients."""
-    _, _, samples, _, _ = batch
+    _, _, samples, _ = batch
     full = token_coefficients([len(s.completion_ids) for s in samples], "seq_mean").double()
     rng = np.random.default_rng(1)
     for _ in range(5):
@@ -217,12 +225,13 @@ def test_window_packer_drives_the_update_and_leaves_the_gradient_unchanged(tiny)
     gradient (the normalisers are global, so packing changes speed only)."""
     model, tokenizer = tiny
     samples = make_samples(len(tokenizer), lengths=[(4, 6), (8, 10), (5, 5), (1, 1)])  # 10 18 10 2 tokens
-    coefs = token_coefficients([len(s.completion_ids) for s in samples], "seq_mean")
-    kw = dict(KW, beta=0.0, vocab_size=len(tokenizer), token_budget=20)
+    samples = with_coefs(samples, token_coefficients([len(s.completion_ids) for s in samples], "seq_mean").tolist())
+    kw = dict(KW, beta=0.0)
+    passes = Passes(1.0, len(tokenizer), token_budget=20)
     ffd, win, calls = RecordingOptimizer(model), RecordingOptimizer(model), []
-    stats_ffd = policy_update(model, ffd, samples, coefs, **kw)
+    stats_ffd = policy_update(model, ffd, samples, passes, **kw)
     pack = lambda lengths, budget: calls.append(dppo.window_pack(lengths, budget, 1)) or calls[-1]
-    stats_win = policy_update(model, win, samples, coefs, pack=pack, **kw)
+    stats_win = policy_update(model, win, samples, passes._replace(pack=pack), **kw)
     assert len(calls) == 1 and stats_win["micro_batches"] == len(calls[0]) != stats_ffd["micro_batches"]
     assert_grads_close(win.grads, ffd.grads, rel=1e-5)
 
@@ -243,8 +252,8 @@ def run(args, timeout=600):
     (["--prune_completions", "nan"], "--prune_prompts and --prune_completions must be in [0, 1)"),
     (["--keep_floor", "0"], "--keep_floor in (0, 1]"),
     (["--keep_floor", "1.5"], "--keep_floor in (0, 1]"),
-    (["--window", "0"], "--window must be at least 1"),
-    (["--lookahead", "0.5"], "--lookahead must be at least 1"),
+    (["--window", "0"], "--window and --lookahead must be at least 1 (got 0, 2.0)"),
+    (["--lookahead", "0.5"], "--window and --lookahead must be at least 1 (got 64, 0.5)"),
     (["--window", "2.5"], "argument --window: invalid int value"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, args, message):
@@ -294,11 +303,12 @@ def test_toy_prunes_both_levels_and_resumes(tmp_path):
         assert r["pack_micro_batches"] == r["micro_batches"]  # the window packer is the one that ran
         phases = [k for k in r if k.endswith("_s") and k not in ("step_s", "tokens_per_s")]
         assert {"rollout_s", "reward_s", "update_s", "pack_s", "push_s"} <= set(phases) and r["pack_s"] > 0
-        assert sum(r[k] for k in phases) <= r["step_s"] * 1.0001  # exclusive: pack_s is not also in update_s
+        assert sum(r[k] for k in phases) <= r["step_s"] * 1.0001  # not nested: pack_s is not also in update_s
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["method"] == "dppo" and config["ideal_trained_fraction"] == 0.5  # 1 - r_o
     assert os.path.exists(os.path.join(out, "metrics.png"))
     assert [r["prompts_examined"] for r in train[:2]] == [6, 6]  # first epoch: no history, nothing to prune
     assert any(r["prompts_examined"] > 6 and r["prompt_keep_frac"] < 1 for r in train[2:])  # second epoch
-    history = torch.load(os.path.join(out, "checkpoint", "state.pt"), weights_only=True)["history"]
+    assert [os.path.basename(c) for c in checkpoints(out)] == ["checkpoint-3", "checkpoint-4"]  # the two newest
+    history = torch.load(os.path.join(checkpoints(out)[-1], "state.pt"), weights_only=True)["history"]
     assert len(history) == 12 and any(history.values())

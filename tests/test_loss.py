@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-from common import group_advantages, packed_logprobs, policy_update, token_coefficients, token_loss
-from conftest import assert_grads_close
-from conftest import RecordingOptimizer, make_samples
+from common import Passes, group_advantages, packed_logprobs, policy_update, token_coefficients, token_loss
+from conftest import RecordingOptimizer, assert_grads_close, make_samples
 
 
 def test_advantages_unbiased_population_none():
@@ -85,6 +84,13 @@ def test_truncated_importance_weight_scales_the_policy_term_only():
     torch.testing.assert_close(out, torch.tensor([-0.5 + 0.5 * k(-0.2), -2.0 + 0.5 * k(0.1)]))  # w * pg + beta * kl
 
 
+def with_coefs(samples, coefs):
+    """Each sample's loss coefficient c_i, as the scripts set it before the update."""
+    for s, c in zip(samples, coefs.tolist()):
+        s.coef = c
+    return samples
+
+
 def plain_token_logps(model, samples, vocab):
     """Independent reference: each sequence alone through the full model, log_softmax + gather."""
     out = []
@@ -116,9 +122,11 @@ def test_update_equals_hand_written_objective(tiny, loss_agg):
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     opt = RecordingOptimizer(model)
-    stats = policy_update(model, opt, samples, token_coefficients(lengths, loss_agg, max_len=max_len), temperature=1.0,
-                          vocab_size=vocab, token_budget=64, eps_low=0.2, eps_high=0.2, beta=beta,
-                          ref_logps=ref_model_logps, grad_clip=1e9)
+    with_coefs(samples, token_coefficients(lengths, loss_agg, max_len=max_len))
+    for s, ref in zip(samples, ref_model_logps):
+        s.ref_logps = ref
+    stats = policy_update(model, opt, samples, Passes(1.0, vocab, token_budget=64), clip=(0.2, 0.2), beta=beta,
+                          grad_clip=1e9)
     assert stats["loss"] == pytest.approx(total.item(), abs=1e-6)
     assert_grads_close(opt.grads, want)
 
@@ -141,8 +149,8 @@ def test_on_policy_loss_is_zero_but_gradient_is_reinforce(tiny):
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     opt = RecordingOptimizer(model)
-    stats = policy_update(model, opt, samples, token_coefficients(lengths, "seq_mean"), temperature=1.0,
-                          vocab_size=vocab, token_budget=64, eps_low=0.2, eps_high=0.2, beta=0.0, grad_clip=1e9)
+    stats = policy_update(model, opt, with_coefs(samples, token_coefficients(lengths, "seq_mean")),
+                          Passes(1.0, vocab, token_budget=64), clip=(0.2, 0.2), beta=0.0, grad_clip=1e9)
     assert abs(stats["loss"]) < 1e-6
     assert max(g.abs().max().item() for g in want.values()) > 1e-3  # the gradient is far from zero
     assert_grads_close(opt.grads, want)
@@ -153,14 +161,13 @@ def test_old_logps_from_a_separate_pass_make_clipping_act(tiny):
     model, tokenizer = tiny
     vocab = len(tokenizer)
     samples = make_samples(vocab, seed=7)
-    for s in samples:
+    for s, lp in zip(samples, plain_token_logps(model, samples, vocab)):
         s.advantage = 1.0
-    logps = [lp.detach() for lp in plain_token_logps(model, samples, vocab)]
-    old = [lp - 1.0 for lp in logps]  # every ratio is e > 1.2: all clipped for A > 0
+        s.old_logps = lp.detach() - 1.0  # every ratio is e > 1.2: all clipped for A > 0
     opt = RecordingOptimizer(model)
-    stats = policy_update(model, opt, samples, token_coefficients([len(s.completion_ids) for s in samples], "seq_mean"),
-                          temperature=1.0, vocab_size=vocab, token_budget=64, eps_low=0.2, eps_high=0.2, beta=0.0,
-                          old_logps=old, grad_clip=1e9)
+    with_coefs(samples, token_coefficients([len(s.completion_ids) for s in samples], "seq_mean"))
+    stats = policy_update(model, opt, samples, Passes(1.0, vocab, token_budget=64), clip=(0.2, 0.2), beta=0.0,
+                          grad_clip=1e9)
     assert stats["clip_frac"] == 1.0
     assert stats["loss"] == pytest.approx(-1.2, rel=1e-6)  # -min(e, 1.2) * 1, averaged
     assert all(g.abs().max().item() == 0 for g in opt.grads.values())
@@ -174,17 +181,18 @@ def test_mismatch_and_tis_use_engine_logps(tiny):
     for s, lp in zip(samples, logps.split([len(s.completion_ids) for s in samples])):
         s.sample_logps = (lp + 0.25).tolist()  # the engine thinks every token is a bit likelier
     opt = RecordingOptimizer(model)
-    kw = dict(temperature=1.0, vocab_size=vocab, token_budget=64, eps_low=0.2, eps_high=0.2, beta=0.0, grad_clip=1e9)
-    coefs = token_coefficients([len(s.completion_ids) for s in samples], "token_mean")
-    stats = policy_update(model, opt, samples, coefs, **kw)
+    kw = dict(clip=(0.2, 0.2), beta=0.0, grad_clip=1e9)
+    passes = Passes(1.0, vocab, token_budget=64)
+    with_coefs(samples, token_coefficients([len(s.completion_ids) for s in samples], "token_mean"))
+    stats = policy_update(model, opt, samples, passes, **kw)
     assert stats["mismatch_logp"] == pytest.approx(0.25, abs=1e-5)
     plain = opt.grads
-    stats = policy_update(model, opt, samples, coefs, tis_cap=2.0, **kw)
+    stats = policy_update(model, opt, samples, passes, tis_cap=2.0, **kw)
     # weight exp(-0.25) on every token scales the whole policy gradient by it
     assert_grads_close(opt.grads, {name: g * math.exp(-0.25) for name, g in plain.items()})
     for s, lp in zip(samples, logps.split([len(s.completion_ids) for s in samples])):
         s.sample_logps = (lp - 1.0).tolist()  # weight e = 2.72: the cap of 2 binds on every token
-    policy_update(model, opt, samples, coefs, tis_cap=2.0, **kw)
+    policy_update(model, opt, samples, passes, tis_cap=2.0, **kw)
     assert_grads_close(opt.grads, {name: g * 2.0 for name, g in plain.items()})
 
 
@@ -192,12 +200,12 @@ def test_grad_clip_zero_means_no_clipping(tiny):
     """--grad_clip 0 is 'no clipping' (the Hugging Face habit), not 'scale every gradient by 0'; a small cap clips."""
     model, tokenizer = tiny
     samples = make_samples(len(tokenizer), seed=3)
-    coefs = token_coefficients([len(s.completion_ids) for s in samples], "seq_mean")
-    kw = dict(temperature=1.0, vocab_size=len(tokenizer), token_budget=10_000, eps_low=0.2, eps_high=0.2, beta=0.0)
+    with_coefs(samples, token_coefficients([len(s.completion_ids) for s in samples], "seq_mean"))
+    passes = Passes(1.0, len(tokenizer), token_budget=10_000)
     got = {}
     for clip in (0.0, 1e9, 1e-3):
         opt = RecordingOptimizer(model)
-        stats = policy_update(model, opt, samples, coefs, grad_clip=clip, **kw)
+        stats = policy_update(model, opt, samples, passes, clip=(0.2, 0.2), beta=0.0, grad_clip=clip)
         got[clip] = (opt.grads, stats["grad_norm"])
     norm = got[1e9][1]
     assert norm > 1e-3 and got[0.0][1] == pytest.approx(norm)  # the logged norm is the unclipped one either way
@@ -230,5 +238,3 @@ def test_rollout_seeds_never_collide():
     old = [r + k * G + j for r in (0, 1) for k in range(8) for j in range(G)]
     assert len(set(old)) < len(old)
     assert len({rollout_seed(1, 0), rollout_seed(0, 1), rollout_seed(0, 0, 1), rollout_seed(0, 0)}) == 4
-    with pytest.raises(ValueError):
-        rollout_seed(0, 2 ** 20)

@@ -227,14 +227,14 @@ def test_toy_cli_run_logs_mmr(tmp_path):
         assert r["rollouts"] == r["trained_rollouts"] == 16  # every completion is trained on
         assert 0.5 <= r["mmr_lambda"] < sigmoid(0.5) + 1e-6  # binary rewards: population std <= 0.5
         assert 0 < r["mmr_share"] < 1 and r["mmr_s"] == pytest.approx(r["mmr_share"] * r["step_s"], rel=1e-3)
-        # "mmr" is its own phase, timed inside "reward" but not counted there: the phases add up to the step
+        # "mmr" is its own phase between two "reward" spans (phases do not nest): they add up to the step
         assert sum(r[k] for k in phases) == pytest.approx(r["step_s"], rel=0.05)
         assert r["silent_groups"] == 0  # the advantages come from r~: no group is left without a signal...
     assert sum(r["zero_std_groups"] for r in rows[1:]) > 0  # ...although plain GRPO would have left some silent
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["method"] == "mmr_grpo" and config["args"]["embed_model"] == "toy" and config["args"]["sim_floor"]
     assert config["ideal_trained_fraction"] == 1.0
-    assert os.path.exists(os.path.join(out, "checkpoint", "model", "model.safetensors"))
+    assert os.path.exists(os.path.join(out, "checkpoint-2", "model", "model.safetensors"))
     assert os.path.exists(os.path.join(out, "metrics.png"))
 
 
@@ -269,9 +269,10 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, args, message):
     (["--sim_floor"], True), (["--sim-floor", "true"], True),
 ])
 def test_sim_floor_flag_spellings(tmp_path, flags, floor):
-    from mmr_grpo import Args
+    from mmr_grpo import Args, encoder_recipe
     from common import parse_args
-    args, _ = parse_args(Args, "mmr_grpo", "", [*flags, "--rollout", "hf", "--out", str(tmp_path / "run")])
+    args = parse_args(Args, "mmr_grpo", "", encoder_recipe,
+                      argv=[*flags, "--rollout", "hf", "--out", str(tmp_path / "run")])
     assert args.sim_floor is floor
 
 

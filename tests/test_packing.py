@@ -1,14 +1,23 @@
 """The packed training step: packed == padded == one sequence at a time (logits and gradients; the varlen attention
-and the dense-mask sdpa and eager references), no [T, T] mask for a packed row, the memory-lean log-prob equals
-log_softmax + gather, and the micro-batch split never changes the gradient."""
+and the dense-mask sdpa and eager references), across the test models (Qwen2, Llama, Mistral, Gemma2, Cohere,
+Granite: their attention code and their touch after the LM head); the varlen attention's sequence bounds read from the
+position ids, by hand; no [T, T] mask for a packed row; attention dropout and sliding windows; the memory-lean
+log-prob equals log_softmax + gather (and the post-head transforms, by hand); the micro-batch split never changes the
+gradient."""
+import json
+import math
+import shutil
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import RecordingOptimizer, assert_grads_close, make_samples
+from conftest import (ARCH_CONFIGS, POST_HEAD, TINY_VOCAB, RecordingOptimizer, assert_grads_close, build_arch,
+                      make_samples)
 
-from common import (Sample, chunked_logprobs, load_model, pack_microbatches, packed_inputs, packed_logprobs,
-                    policy_update, sequence_logprobs, token_coefficients)
-from common import seq_layout
+from common import (Passes, Sample, chunked_logprobs, load_model, make_optimizer, pack_microbatches, packed_inputs,
+                    packed_logprobs, policy_update, seq_layout, sequence_logprobs, token_coefficients)
+
 
 def one_at_a_time(model, samples):
     """Reference: each sequence alone, plain forward, full logits. Returns per-sequence [L, V] logits."""
@@ -26,11 +35,11 @@ def padded(model, samples):
 
 
 def packed(model, samples, attention_mask=None):
-    """All sequences in one row, restarting position ids, no mask: what the trainer does."""
+    """All sequences in one row, restarting position ids, no mask: what the trainer does (the varlen attention finds
+    the sequences from the position ids)."""
     ids, pos, _ = packed_inputs(samples, "cpu")
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-    varlen = {"seq_layout": seq_layout(lengths, ids.device)} if model.config._attn_implementation == "varlen" else {}
-    logits = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask, use_cache=False, **varlen).logits[0]
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask, use_cache=False).logits[0]
     return list(logits.split(lengths))
 
 
@@ -91,36 +100,99 @@ def test_varlen_logprobs_and_gradients_equal_one_sequence_at_a_time_across_budge
     # reference: each sequence alone (no packing, no mask), the policy-gradient loss written out:
     # on-policy the clipped surrogate's gradient is -sum_i c_i A_i sum_t grad log p_it
     want_lp, loss = [], 0
-    for s, c in zip(samples, coefs):
+    for s, c in zip(samples, coefs.tolist()):
+        s.coef = c  # policy_update reads each sample's coefficient
         logits = model(input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0, :, :vocab]
         p, n = len(s.prompt_ids), len(s.completion_ids)
         lp = logits[p - 1:p + n - 1].log_softmax(-1).gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0]
         want_lp.append(lp.detach())
-        loss = loss - float(c) * s.advantage * lp.sum()
+        loss = loss - c * s.advantage * lp.sum()
     model.zero_grad()
     loss.backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     for budget in (100_000, 64, 16):  # one micro-batch; several; every sequence alone (70 > 64 goes alone too)
-        got_lp = sequence_logprobs(model, samples, 1.0, vocab, token_budget=budget, chunk=7)
+        passes = Passes(temperature=1.0, vocab_size=vocab, token_budget=budget, chunk=7)
+        got_lp = sequence_logprobs(model, samples, passes)
         for g, w in zip(got_lp, want_lp):
             torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
         opt = RecordingOptimizer(model)
-        stats = policy_update(model, opt, samples, coefs, temperature=1.0, vocab_size=vocab, token_budget=budget,
-                              eps_low=0.2, eps_high=0.2, beta=0.0, grad_clip=1e9, chunk=7)
+        stats = policy_update(model, opt, samples, passes, clip=(0.2, 0.2), beta=0.0, grad_clip=1e9)
         assert stats["micro_batches"] == len(pack_microbatches([p + c for p, c in VARLEN_LENGTHS], budget))
         assert_grads_close(opt.grads, want_grads)
 
 
+# ---------------------------------------------------------------- across the test models
+
+# (prompt, completion): a length-1 completion, sequences of 3 to 32 tokens in several buckets (with padding)
+ARCH_LENGTHS = [(6, 1), (3, 9), (12, 20), (5, 5), (2, 3), (4, 4), (1, 2)]
+
+
+def alone_logprobs(model, samples, vocab, temperature=1.0):
+    """Reference: each sequence alone through the model's own full forward, log_softmax of its logits (the model's
+    touch after the LM head included) over the real vocabulary, at the sampled tokens: [N]."""
+    out = []
+    for s in samples:
+        p = len(s.prompt_ids)
+        logits = model(input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0, p - 1:-1, :vocab]
+        out.append((logits / temperature).log_softmax(-1).gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", *ARCH_CONFIGS])
+def test_packed_logprobs_and_gradients_equal_alone_across_the_test_models(tiny_dir, arch_dir, arch):
+    """With --attn varlen every architecture's packed log-probs and their gradients equal each sequence alone (fp32,
+    1e-5): its attention code hands the varlen attention the position ids, its scale, GQA / MQA, and packed_logprobs
+    applies its touch after the LM head. That touch matters: without it (config=None) Gemma2's, Cohere's and Granite's
+    log-probs miss the reference by far more than the tolerance; the others have none."""
+    model = load_model(tiny_dir if arch == "qwen2" else arch_dir(arch), torch.device("cpu"), attn="varlen")
+    assert model.config._attn_implementation == "varlen" and model.training
+    vocab = model.config.vocab_size - 30  # the padded rows past the tokenizer are never targets
+    samples = make_samples(vocab, seed=2, lengths=ARCH_LENGTHS)
+    want = alone_logprobs(model, samples, vocab)
+    model.zero_grad()
+    want.sum().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got = packed_logprobs(model, samples, 1.0, vocab, chunk=7)
+    torch.testing.assert_close(got.detach(), want.detach(), atol=1e-5, rtol=0)
+    got.sum().backward()
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want_grads)
+    model.zero_grad()
+    with torch.no_grad():  # the temperature divides the transformed logits
+        torch.testing.assert_close(packed_logprobs(model, samples, 0.7, vocab, chunk=7),
+                                   alone_logprobs(model, samples, vocab, 0.7), atol=1e-5, rtol=0)
+        ids, pos, predict = packed_inputs(samples, "cpu")
+        hidden = model.get_decoder()(input_ids=ids, position_ids=pos, attention_mask=None,
+                                     use_cache=False).last_hidden_state[0, predict]
+        bare = chunked_logprobs(hidden, model.get_output_embeddings().weight[:vocab], ids[0, predict + 1], config=None)
+    gap = (bare - want.detach()).abs().max().item()
+    if arch in POST_HEAD:
+        assert gap > 1e-2, gap  # a thousand times the tolerance: the check above would fail without the touch
+    else:
+        assert gap < 1e-5, gap
+
+
 def test_seq_layout_buckets_by_hand():
-    """Lengths 3, 5, 4, 1 at offsets 0, 3, 8, 12. Longest first: 5 opens a bucket, 4 >= 0.8 * 5 joins it (padded
-    to 5), 3 < 0.8 * 5 opens the next, 1 the last. Padding repeats the sequence's last position."""
-    lay = seq_layout([3, 5, 4, 1], torch.device("cpu"))
-    assert lay.kernel == "sdpa-buckets" and lay.max_len == 5 and lay.cu_seqlens.tolist() == [0, 3, 8, 12, 13]
-    assert lay.buckets == [(2, 5), (1, 3), (1, 1)]
-    assert lay.gather.tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 0, 1, 2, 12]
-    assert lay.scatter.tolist() == [10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8, 13]
-    assert lay.gather[lay.scatter].tolist() == list(range(13))  # every token comes back from its own row
+    """The varlen attention reads a packed row's sequences from its position ids (each sequence starts at 0): lengths
+    3, 5, 4, 1 at offsets 0, 3, 8, 12. Longest first: 5 opens a bucket, 4 >= 0.8 * 5 joins it (padded to 5), 3 < 0.8 * 5
+    opens the next, 1 the last. Padding repeats the sequence's last position."""
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 0]])
+    buckets, gather, scatter = seq_layout(pos)
+    assert buckets == [(2, 5), (1, 3), (1, 1)]
+    assert gather.tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 0, 1, 2, 12]
+    assert scatter.tolist() == [10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8, 13]
+    assert gather[scatter].tolist() == list(range(13))  # every token comes back from its own row
+    assert gather.dtype == scatter.dtype == torch.long and gather.device == pos.device
+    # computed once per forward: every layer hands in the same position_ids tensor and gets the cached layout
+    assert seq_layout(pos)[1] is gather
+    # a new row is laid out anew, not taken from the cache: lengths 2, 2, 3 (2 < 0.8 * 3: the 2s share a second bucket)
+    buckets, gather, scatter = seq_layout(torch.tensor([[0, 1, 0, 1, 0, 1, 2]]))
+    assert buckets == [(1, 3), (2, 2)] and gather.tolist() == [4, 5, 6, 0, 1, 2, 3]
+    assert scatter.tolist() == [3, 4, 5, 6, 0, 1, 2]
+    # one sequence: one bucket, the identity
+    buckets, gather, scatter = seq_layout(torch.arange(6)[None])
+    assert buckets == [(1, 6)] and gather.tolist() == scatter.tolist() == list(range(6))
 
 
 def tensor_shapes_during(fn):
@@ -156,12 +228,61 @@ def test_a_packed_micro_batch_never_builds_a_dense_t_by_t_tensor(tiny_dir, tiny,
         assert dense  # the block-diagonal mask (and the scores) of the dense path
 
 
-def test_a_packed_row_without_its_layout_fails_loudly(tiny):
-    """Restarting position ids with no seq_layout would silently attend across sequences: it raises instead."""
-    model, tokenizer = tiny
-    ids, pos, _ = packed_inputs(make_samples(len(tokenizer)), "cpu")
-    with pytest.raises(RuntimeError, match="without its seq_layout"):
-        model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False)
+def test_attention_dropout_trains_with_varlen_and_packs_exactly_in_eval_mode(tiny_dir, tiny, tmp_path):
+    """Attention dropout is applied by sdpa inside each bucket: no refusal. A model whose config asks for 0.1 loads
+    with --attn varlen in train mode, its train-mode packed passes are stochastic (the dropout acts), an AdamW step
+    through policy_update changes its weights; in eval mode its packed log-probs equal the alone ones and those of
+    the same weights without dropout."""
+    folder = tmp_path / "dropout"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    model = load_model(str(folder), torch.device("cpu"), attn="varlen")
+    assert model.training and model.config.attention_dropout == 0.1 and model.config._attn_implementation == "varlen"
+    vocab = len(tiny[1])
+    samples = make_samples(vocab, seed=6, lengths=[(5, 4), (3, 7), (6, 1), (4, 5)])
+    with torch.no_grad():
+        torch.manual_seed(0)
+        first = packed_logprobs(model, samples, 1.0, vocab)
+        torch.manual_seed(1)
+        second = packed_logprobs(model, samples, 1.0, vocab)
+    assert (first - second).abs().max() > 1e-3  # two dropout masks
+    model.eval()
+    with torch.no_grad():
+        got = packed_logprobs(model, samples, 1.0, vocab)
+        torch.testing.assert_close(got, alone_logprobs(model, samples, vocab), atol=1e-5, rtol=0)
+        plain = load_model(tiny_dir, torch.device("cpu"), attn="varlen").eval()
+        torch.testing.assert_close(got, packed_logprobs(plain, samples, 1.0, vocab), atol=1e-5, rtol=0)
+    model.train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer, _ = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
+    for s, c in zip(samples, token_coefficients([len(s.completion_ids) for s in samples], "seq_mean").tolist()):
+        s.coef = c
+    stats = policy_update(model, optimizer, samples, Passes(1.0, vocab, 64), clip=(0.2, 0.2), beta=0.0)
+    assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert len(moved) == len(before), set(before) - set(moved)
+
+
+def test_a_sequence_longer_than_the_sliding_window_is_refused_naming_sdpa(tmp_path):
+    """The bucketed causal attention knows no window: a packed row with a sequence longer than the model's sliding
+    window raises NotImplementedError naming --attn sdpa (a Mistral with window 8). Sequences within the window pack
+    exactly; sdpa's mask, which the message names, packs the longer one exactly; and the window does bind there (the
+    same weights with a wide window give other log-probs), so plain causal attention would have been wrong."""
+    cpu = torch.device("cpu")
+    folder = build_arch(str(tmp_path / "window8"), "mistral", sliding_window=8)
+    model = load_model(folder, cpu, attn="varlen")
+    short = make_samples(TINY_VOCAB, seed=8, lengths=[(3, 5), (4, 2), (2, 1)])  # 8, 6, 3 tokens
+    torch.testing.assert_close(packed_logprobs(model, short, 1.0, TINY_VOCAB), alone_logprobs(model, short, TINY_VOCAB),
+                               atol=1e-5, rtol=0)
+    long = make_samples(TINY_VOCAB, seed=8, lengths=[(3, 5), (4, 8)])  # 8 and 12 tokens
+    with pytest.raises(NotImplementedError, match="--attn sdpa"):
+        packed_logprobs(model, long, 1.0, TINY_VOCAB)
+    sdpa = load_model(folder, cpu, attn="sdpa")
+    want = alone_logprobs(sdpa, long, TINY_VOCAB)
+    torch.testing.assert_close(packed_logprobs(sdpa, long, 1.0, TINY_VOCAB), want, atol=1e-5, rtol=0)
+    wide = load_model(build_arch(str(tmp_path / "window128"), "mistral", sliding_window=128), cpu, attn="sdpa")
+    assert (alone_logprobs(wide, long, TINY_VOCAB) - want).abs().max() > 1e-3
 
 
 def test_hf_generate_is_unchanged_by_the_varlen_attention(tiny_dir, tiny):
@@ -206,11 +327,42 @@ def test_chunked_logprobs_value_and_grad_match_full():
     targets = torch.randint(0, 40, (37,))
     full = F.log_softmax((hidden @ weight[:40].T) / 0.8, -1).gather(1, targets[:, None])[:, 0]
     gh_full, gw_full = torch.autograd.grad(full.sum() * 2, (hidden, weight))
-    lean = chunked_logprobs(hidden, weight, targets, temperature=0.8, vocab_size=40, chunk=8)  # 8 does not divide 37
+    lean = chunked_logprobs(hidden, weight[:40], targets, temperature=0.8, chunk=8)  # 8 does not divide 37
     torch.testing.assert_close(lean, full)
     gh, gw = torch.autograd.grad(lean.sum() * 2, (hidden, weight))
     torch.testing.assert_close(gh, gh_full)
     torch.testing.assert_close(gw, gw_full)
+
+
+def test_post_head_transforms_by_hand():
+    """chunked_logprobs(config=...) applies a model's touch after the LM head: Cohere's logit_scale multiplies,
+    Granite's logits_scaling divides, Gemma's final_logit_softcapping is c tanh(z / c); the temperature divides
+    afterwards (as the engine samples). Values and gradients against the formulas written out; a config without them
+    (or None) is the bare head."""
+    torch.manual_seed(0)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    weight = (3 * torch.randn(40, 16)).requires_grad_()
+    targets = torch.randint(0, 40, (23,))
+    z = hidden @ weight.T  # [23, 40], spread over tens of units
+    cases = [(None, z), (types.SimpleNamespace(), z),
+             (types.SimpleNamespace(logit_scale=None, logits_scaling=None, final_logit_softcapping=None), z),
+             (types.SimpleNamespace(logit_scale=0.25), 0.25 * z),  # Cohere
+             (types.SimpleNamespace(logits_scaling=4.0), z / 4.0),  # Granite
+             (types.SimpleNamespace(final_logit_softcapping=3.0), 3.0 * torch.tanh(z / 3.0)),  # Gemma 2
+             (types.SimpleNamespace(logit_scale=2.0, logits_scaling=8.0, final_logit_softcapping=5.0),
+              5.0 * torch.tanh(z * 2.0 / 8.0 / 5.0))]
+    bare = None
+    for config, logits in cases:
+        want = F.log_softmax(logits / 0.7, -1).gather(1, targets[:, None])[:, 0]
+        got = chunked_logprobs(hidden, weight, targets, temperature=0.7, chunk=5, config=config)
+        torch.testing.assert_close(got, want)
+        want_grads = torch.autograd.grad(want.sum(), (hidden, weight), retain_graph=True)  # z serves every case
+        for g, w in zip(torch.autograd.grad(got.sum(), (hidden, weight)), want_grads):
+            torch.testing.assert_close(g, w)
+        if bare is None:
+            bare = want.detach()
+        elif logits is not z:
+            assert (want.detach() - bare).abs().max() > 0.1  # each transform moves the log-probs
 
 
 def test_chunked_logprobs_never_keeps_a_tokens_by_vocab_tensor():
@@ -229,7 +381,7 @@ def test_chunked_logprobs_never_keeps_a_tokens_by_vocab_tensor():
         assert hidden.grad is not None and weight.grad is not None
         return shapes
     lean = saved_shapes(lambda h, w, t: chunked_logprobs(h, w, t, chunk=8))
-    plain = saved_shapes(lambda h, w, t: _logprob_chunk(h, w, t, 1.0))
+    plain = saved_shapes(lambda h, w, t: _logprob_chunk(h, w, t, 1.0, None))
     assert (n, vocab) in plain
     assert not [s for s in lean if s[-1] == vocab], lean
 
@@ -251,128 +403,16 @@ def test_microbatch_split_never_changes_the_gradient(tiny, loss_agg):
     lengths = [(5, 3), (4, 8), (9, 2), (3, 6), (6, 6), (2, 11)]
     samples = make_samples(vocab, seed=1, lengths=lengths)
     coefs = token_coefficients([c for _, c in lengths], loss_agg, max_len=12)
-    ref = sequence_logprobs(model, samples, 1.0, vocab, token_budget=10_000)
+    ref = sequence_logprobs(model, samples, Passes(1.0, vocab, token_budget=10_000))
+    for s, c, r in zip(samples, coefs.tolist(), ref):
+        s.coef, s.ref_logps = c, r
     results = []
     for budget in (10_000, 14, 1):  # one micro-batch, a few, one sequence each
         opt = RecordingOptimizer(model)
-        stats = policy_update(model, opt, samples, coefs, temperature=1.0, vocab_size=vocab, token_budget=budget,
-                              eps_low=0.2, eps_high=0.2, beta=0.1, ref_logps=ref, grad_clip=1e9, chunk=4)
+        stats = policy_update(model, opt, samples, Passes(1.0, vocab, token_budget=budget, chunk=4), clip=(0.2, 0.2),
+                              beta=0.1, grad_clip=1e9)
         results.append((stats, opt.grads))
     assert [r[0]["micro_batches"] for r in results][0] == 1 and results[2][0]["micro_batches"] == len(lengths)
     for stats, grads in results[1:]:
         assert stats["loss"] == pytest.approx(results[0][0]["loss"], abs=1e-6)
         assert_grads_close(grads, results[0][1])
-
-
-def test_a_model_whose_attention_crosses_packed_sequences_is_refused_at_load(tiny_dir, monkeypatch, capsys):
-    """A model whose attention ignores the packed layout (here: "varlen" made plain causal attention over the whole
-    row, as a --trust_remote_code model that bypasses transformers' attention interface would run) attends across the
-    sequences of a packed row with no error. load_model checks once: exit 2, one line naming --attn."""
-    import common
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def across_the_row(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
-                                      is_causal=True)
-    monkeypatch.setattr(common, "varlen_attention", across_the_row)
-    try:
-        with pytest.raises(SystemExit) as stop:
-            load_model(tiny_dir, torch.device("cpu"), attn="varlen")
-    finally:
-        monkeypatch.undo()
-        common.register_varlen()  # the real one again, for the models of the tests that follow
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert stop.value.code == 2 and len(errors) == 1 and errors[0].startswith("error: --attn varlen: packed"), errors
-    assert load_model(tiny_dir, torch.device("cpu"), attn="varlen") is not None  # the real attention passes
-
-
-def test_a_model_that_ignores_the_position_ids_is_refused(tiny):
-    """Attention can stay within each sequence while the positions do not: a model with absolute position
-    embeddings that ignores the position ids counts the second sequence of a packed row from the row's start
-    (rotary embeddings would not care: they see only position differences). A changed partner of the same length
-    does not move it; packed against alone does, and check_packing stops the run with one line naming --attn."""
-    from common import check_packing, packing_leak
-    model, _ = tiny
-    assert packing_leak(model) < 1e-4
-    embed = model.get_input_embeddings()
-    forward = embed.forward
-    table = torch.randn(512, embed.embedding_dim, generator=torch.Generator().manual_seed(0))
-
-    def row_positions(ids):  # an absolute position embedding of positions 0..T-1 over the whole row
-        return forward(ids) + table[:ids.shape[-1]]
-    embed.forward = row_positions
-    try:
-        assert packing_leak(model) > 1e-2
-        with pytest.raises(SystemExit) as stop:
-            check_packing(model, "varlen")
-    finally:
-        embed.forward = forward
-    assert stop.value.code == 2
-
-
-def test_attention_dropout_is_refused_with_varlen_on_every_device(tiny_dir, tmp_path, capsys):
-    """torch's CUDA varlen kernel takes no dropout (varlen_attn has no dropout_p), the CPU path used to apply it:
-    the same model trained differently on the two. Now refused on both: at load (one line naming --attn, exit 2)
-    and, for a config that names it otherwise, in the attention itself. sdpa applies it, and a frozen model has none."""
-    import json
-    import shutil
-    folder = tmp_path / "dropout"
-    shutil.copytree(tiny_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
-    with pytest.raises(SystemExit) as stop:
-        load_model(str(folder), torch.device("cpu"), attn="varlen")
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert stop.value.code == 2 and len(errors) == 1 and errors[0].startswith("error: --attn varlen: the model trains "
-                                                                              "with attention dropout 0.1"), errors
-    assert load_model(str(folder), torch.device("cpu"), attn="varlen", frozen=True) is not None
-    model = load_model(str(folder), torch.device("cpu"), attn="sdpa")
-    model.config._attn_implementation = "varlen"  # as a model whose config calls its dropout by another name
-    samples = make_samples(model.config.vocab_size)
-    with pytest.raises(NotImplementedError, match="varlen attention has no dropout"):
-        packed_logprobs(model, samples, 1.0, None, 1024)
-
-
-def reference_attention(q, k, v, cu_seqlens, max_len, scale, causal=True):
-    """Per-sequence attention written out (softmax of masked scores), q [T, Hq, d], k and v [T, Hkv, d]."""
-    out = []
-    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [H, n, d]
-        ks, vs = (x.repeat_interleave(qs.shape[0] // x.shape[0], dim=0) for x in (ks, vs))
-        scores = qs @ ks.transpose(1, 2) * scale  # [Hq, n, n]
-        if causal:
-            scores = scores.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
-        out.append((scores.softmax(-1) @ vs).transpose(0, 1))
-    return torch.cat(out)
-
-
-class RightForwardWrongBackward(torch.autograd.Function):
-    """The forward of causal attention with the backward of attention without the causal mask: the kind of kernel
-    the old probe passed (it compared the forward only)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_len, scale):
-        ctx.save_for_backward(q, k, v, cu_seqlens)
-        ctx.scale = scale
-        return reference_attention(q, k, v, cu_seqlens, max_len, scale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, cu_seqlens = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-            out = reference_attention(*inputs, cu_seqlens, 0, ctx.scale, causal=False)
-            grads = torch.autograd.grad(out, inputs, grad)
-        return (*grads, None, None, None)
-
-
-def test_the_cuda_kernel_probe_checks_the_backward_too():
-    """varlen_kernel picks a CUDA kernel only if kernel_agrees: its output and the gradients of q, k and v against
-    per-sequence sdpa. Checked here with CPU stand-ins for a kernel: right (fp32 and bf16), attending across the
-    two sequences, and right forward with a wrong backward."""
-    from common import kernel_agrees
-    assert kernel_agrees(reference_attention, "cpu", torch.float32)
-    assert kernel_agrees(reference_attention, "cpu", torch.bfloat16)  # bf16 rounding stays within the tolerance
-    whole_row = lambda q, k, v, cu, n, scale: reference_attention(q, k, v, cu[[0, -1]], n, scale)
-    assert not kernel_agrees(whole_row, "cpu", torch.float32)
-    assert not kernel_agrees(RightForwardWrongBackward.apply, "cpu", torch.float32)

@@ -1,15 +1,14 @@
-"""math_reward: right and wrong answers in GSM8K and MATH style, no credit without a final answer, bounded time,
-never raises, failures counted."""
+"""math_reward: right and wrong answers in GSM8K and MATH style, what math-verify pays beyond them, no credit without a
+final answer, bounded time, never raises, failures counted."""
 import collections
 import multiprocessing
 import os
 import re
 import time
-from fractions import Fraction
 
 import pytest
 
-from common import VerifyTimeout, extract_answer, math_reward, score, single_value, time_limit
+from common import VerifyTimeout, extract_answer, math_reward, score, time_limit
 from common import gold_answer
 
 RIGHT = [  # (completion, gold): each must score 1.0
@@ -58,7 +57,7 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("<answer> The answer is 18. </answer>", "18"),
     ("<answer>Janet makes $18 every day.</answer>", "18"),
     ("<answer>x = 18</answer>", "18"),
-    # a single value with what it may carry (docs/grpo.md#reward)
+    # one value with what it may carry (docs/grpo.md#reward)
     ("<answer>18%</answer>", "18"),
     ("<answer>$18/day</answer>", "18"),
     ("<answer>-$3</answer>", "-3"),
@@ -73,19 +72,21 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("<answer>She needs 18 more dollars.</answer>", "18"),
     ("<answer>18 laps around the track</answer>", "18"),
     ("<answer>18 times</answer>", "18"),
+    # the old single-value reader refused these (a review of issue 27): math-verify pays them
+    ("<answer>18 m^2</answer>", "18"),  # a unit with an exponent
+    ("<answer>- 5</answer>", "-5"),  # a sign set apart from its number
+    ("<answer>1\\,000</answer>", "1000"),  # LaTeX's thin space as a thousands separator (math-verify alone: 1 * 000)
+    ("\\boxed{1\\,234\\,567}", "1234567"),
 ]
 WRONG = [  # each must score 0.0
     ("<answer>17</answer>", "18"),
     ("Janet makes 18 dollars a day.", "18"),  # no final-answer marker: no credit
     ("The final answer is 19.", "18"),  # off by one
     ("Answer: \\frac{3}{14}", "\\frac{14}{3}"),
-    ("The answer is 18 or 19.", "18"),  # a hedge after the anchor: two numbers
-    ("answer: 47+38", "85"),  # the question copied after the anchor
+    ("The answer is 18 or 19.", "18"),  # a hedge after the anchor: math-verify reads a set, or the last number
     ("I will find the answer to 47+38. 47+38 = 85", "85"),  # 'answer to' is no anchor
     ("The final answer is 18.\n#### 17", "18"),  # '####' outranks the anchor, as the tag and box do
     ("What is 3+4?", "7"),  # echoing the question must not be paid (math-verify alone would evaluate 3+4)
-    ("<answer>3+4</answer>", "7"),  # the question copied into the tag: not a number
-    ("<answer>47 + 38 = 85</answer>", "85"),  # a numeric gold needs exactly one number
     ("<answer>18 or 19</answer>", "18"),
     ("\\boxed{(2, 1)}", "(1,2)"),
     ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}"),
@@ -93,39 +94,45 @@ WRONG = [  # each must score 0.0
     ("\\boxed{7}", "\\text{Evelyn}"),
     ("\\boxed{\\sqrt{2}}", "2"),  # one number, but not the number
     ("<answer>x^2</answer>", "2"),
-    ("<answer>2x</answer>", "2"),
-    ("<answer>18!</answer>", "18"),
-    ("<answer>\\log 18</answer>", "18"),
     ("<answer>1,2</answer>", "12"),  # not a thousands separator
     ("<answer>1,2,3</answer>", "123"),
     ("\\boxed{", "5"),  # unbalanced
     ("", "5"),
     ("<answer></answer>", "5"),
-    # not a single value: a choice, an operation, a negation, a division or a root left undone (issue 19)
-    ("The answer is 12 or thirteen.", "12"),
-    ("The answer is 12 minus seven", "12"),
-    ("The answer: 12 is impossible", "12"),
-    ("<answer>170/2</answer>", "85"),
-    ("<answer>\\sqrt{7225}</answer>", "85"),
-    ("\\boxed{\\frac{36}{2}}", "18"),  # equal, but a division left undone, as 170/2
-    ("<answer>6/8</answer>", "0.75"),
-    ("<answer>maybe 18</answer>", "18"),
-    ("<answer>12 - 7</answer>", "5"),
-    ("<answer>18 x</answer>", "18"),
     ("<answer>Janet makes $18 every day.</answer>", "19"),
-    # a bound, an estimate, a guess or a condition is not a single value either
-    ("<answer>at least 12</answer>", "12"),
-    ("The answer is more than 12.", "12"),
-    ("<answer>about 12</answer>", "12"),
-    ("<answer>over -3</answer>", "-3"),
     ("<answer>~12</answer>", "12"),
-    ("<answer>12ish</answer>", "12"),
-    ("<answer>12, I think</answer>", "12"),
-    ("<answer>12 if x is even</answer>", "12"),
-    ("<answer>12 times x</answer>", "12"),  # an operation on a variable
-    ("<answer>12 over x</answer>", "12"),
     ("<answer>12 \u0661\u0663</answer>", "12"),  # a second number in other digits
-    ("<answer>18\u00b2</answer>", "18"),  # a superscript is an operation
+]
+PAID_BY_MATH_VERIFY = [  # (completion, gold, why): the old single-value reader refused these; math-verify pays them,
+    # reading the answer as LaTeX (which evaluates) and as plain text (which takes a number out of the words);
+    # docs/grpo.md#reward: each must score 1.0.
+    ("answer: 47+38", "85", "the question copied after the anchor: both readings evaluate the sum"),
+    ("<answer>3+4</answer>", "7", "the question copied into the tag: the sum is evaluated"),
+    ("<answer>47 + 38 = 85</answer>", "85", "an equation: the plain-text reading takes its right-hand side"),
+    ("<answer>12 - 7</answer>", "5", "a subtraction left undone is evaluated"),
+    ("<answer>170/2</answer>", "85", "a division left undone is evaluated"),
+    ("\\boxed{\\frac{36}{2}}", "18", "a fraction not in lowest terms is evaluated"),
+    ("<answer>6/8</answer>", "0.75", "a fraction not in lowest terms has the gold's value"),
+    ("<answer>\\sqrt{7225}</answer>", "85", "the LaTeX reading evaluates the root"),
+    ("<answer>18!</answer>", "18", "the plain-text reading takes the number, not its factorial"),
+    ("<answer>18\u00b2</answer>", "18", "the plain-text reading takes the number, not its square"),
+    ("<answer>\\log 18</answer>", "18", "the plain-text reading takes the number out of the command"),
+    ("<answer>2x</answer>", "2", "the plain-text reading drops the variable stuck to the number"),
+    ("<answer>18 x</answer>", "18", "the plain-text reading drops the variable after the number"),
+    ("<answer>12 times x</answer>", "12", "an operation on a variable, in words: the number is taken"),
+    ("<answer>12 over x</answer>", "12", "a division by a variable, in words: the number is taken"),
+    ("The answer is 12 or thirteen.", "12", "a choice with the second number in words: its one number in digits"),
+    ("<answer>18 or 19</answer>", "19", "a choice: the plain-text reading takes the last number"),
+    ("The answer is 12 minus seven", "12", "an operation in words: the number is taken"),
+    ("The answer: 12 is impossible", "12", "a negation: the number is taken"),
+    ("<answer>maybe 18</answer>", "18", "a guess: the number is taken"),
+    ("<answer>12, I think</answer>", "12", "a guess after the number: the number is taken"),
+    ("<answer>12ish</answer>", "12", "an estimate stuck to the number: the number is taken"),
+    ("<answer>about 12</answer>", "12", "an estimate: the number is taken"),
+    ("<answer>at least 12</answer>", "12", "a bound: the number is taken"),
+    ("The answer is more than 12.", "12", "a bound after the anchor: the number is taken"),
+    ("<answer>over -3</answer>", "-3", "a bound on a negative number: the number is taken"),
+    ("<answer>12 if x is even</answer>", "12", "a condition: the number is taken"),
 ]
 
 
@@ -137,6 +144,11 @@ def test_right_answers_score_one(completion, gold):
 @pytest.mark.parametrize("completion,gold", WRONG)
 def test_wrong_answers_score_zero(completion, gold):
     assert math_reward(completion, gold) == 0.0
+
+
+@pytest.mark.parametrize("completion,gold,why", PAID_BY_MATH_VERIFY)
+def test_what_math_verify_pays_beyond_a_single_value(completion, gold, why):
+    assert math_reward(completion, gold) == 1.0, why
 
 
 def test_extract_answer_priorities():
@@ -152,29 +164,16 @@ def test_extract_answer_priorities():
     assert extract_answer("<answer>1 <answer>2</answer></answer>") == "2"  # the last opening tag
 
 
-def test_single_value_by_hand():
-    """The value of an answer that is one value, None for an operation, a choice, a negation or a guess."""
-    values = {"18": 18, "-$1,000.50": Fraction(-2001, 2), "$-3": -3, "\\frac12": Fraction(1, 2),
-              "\\dfrac{14}{3} cups": Fraction(14, 3), "3 / 4": Fraction(3, 4), ".5": Fraction(1, 2),
-              "90^{\\circ}": 90, "18 \\text{ dollars}": 18, "**18**": 18, "1,\\!000": 1000,
-              "Tom has 12 more apples than Jerry.": 12, "She earns 18 dollars a day.": 18,
-              "a well-known 18": 18, "5km": 5}
-    for answer, want in values.items():
-        assert single_value(answer) == want, answer
-    for answer in ["12 or thirteen", "12 minus seven", "12 is impossible", "12 isn't right", "170/2", "3/1", "0/5",
-                   "\\sqrt{7225}", "\\frac{36}{2}", "47+38", "18!", "x^2", "2x", "x2", "18 x", "1,2", "12-3",
-                   "approximately 18", "18?", "18 \\pm 1", "twenty-one", "18 or so", "1.5/3", "", "dollars"]:
-        assert single_value(answer) is None, answer
-
-
 def test_the_docs_table_of_cases_is_what_math_reward_pays():
-    """docs/grpo.md#reward lists the single-value rule's cases: each row's reward is what math_reward gives."""
+    """docs/grpo.md#reward's table of cases (rows `| `completion` | `gold` | 0 or 1 | why |`): each row's reward is
+    what math_reward gives."""
     text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "grpo.md")).read()
     section = text.split('<a id="reward"></a>')[1].split("<a id=")[0]
     rows = re.findall(r"^ *\| `(.+?)` \| `(.+?)` \| ([01]) \|", section, re.M)
-    assert len(rows) >= 20
-    for completion, gold, reward in rows:
-        assert math_reward(completion, gold) == float(reward), (completion, gold)
+    assert len(rows) >= 12, f"only {len(rows)} rows of cases found in docs/grpo.md#reward"
+    wrong = [(completion, gold, reward) for completion, gold, reward in rows
+             if math_reward(completion, gold) != float(reward)]
+    assert not wrong, f"rows whose reward is not what math_reward gives: {wrong}"
 
 
 def test_gold_answer_conventions():
@@ -210,24 +209,32 @@ ADVERSARIAL = [  # answers up to the reward's 1,000 characters, completions up t
 ]
 
 
-def score_adversarial():
-    for _ in range(8):
-        score(ADVERSARIAL, ["5"] * len(ADVERSARIAL))
+def score_adversarial(timeout, slowest):
+    for _ in range(3):
+        for completion in ADVERSARIAL:
+            t0 = time.perf_counter()
+            math_reward(completion, "5", timeout=timeout)
+            slowest.value = max(slowest.value, time.perf_counter() - t0)
 
 
-def test_extraction_and_the_single_value_rule_finish_on_adversarial_inputs():
-    """The reward's alarm cannot interrupt a regex match inside C, so nothing before math-verify may backtrack: the
-    tokens of the single-value rule start each with their own kind of character and never give back what they
-    matched, the tag is found with str.rfind. A hang guard, not a speed claim: a child process scores these (8
-    batches) and is killed after 10 s; before issue 19 each of the first two took 1.3 s, 21 s in all."""
+def test_extraction_and_math_verify_finish_on_adversarial_inputs():
+    """The reward's alarm cannot interrupt a regex match inside C, and the extraction runs before the alarm is set: so
+    neither the extraction (its anchor regex has no adjacent \\s* or \\s+, the tag is found with str.rfind) nor
+    math-verify's parsing of an answer of up to 1,000 characters may spend long in one uninterruptible match. With a
+    0.2 s limit every call must return within 1 s (the limit plus slack for a loaded machine); a child process scores
+    them (3 rounds) and is killed after 30 s, a hang guard. Before issue 19 the extraction of each of the first two
+    took 1.3 s; math-verify itself spends up to about 2 s on some of them when given its default 5 s."""
     math_reward("\\boxed{1}", "x")  # imports math-verify here, before the fork
-    child = multiprocessing.get_context("fork").Process(target=score_adversarial)
+    context = multiprocessing.get_context("fork")
+    slowest = context.Value("d", 0.0)
+    child = context.Process(target=score_adversarial, args=(0.2, slowest))
     child.start()
-    child.join(10)
+    child.join(30)
     if child.is_alive():
         child.kill()
         child.join()
-    assert child.exitcode == 0, "scoring adversarial completions did not finish within 10 s"
+    assert child.exitcode == 0, "scoring adversarial completions did not finish within 30 s"
+    assert slowest.value < 1.0, f"a call took {slowest.value:.2f} s under a 0.2 s limit"
 
 
 def test_pathological_latex_returns_within_the_time_limit():

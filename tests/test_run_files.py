@@ -1,5 +1,5 @@
-"""common.py's run files: the phase timer's exclusive phases, the run's plot, flag parsing (what was given, recipe
-defaults, resume merge) and the per-batch metrics."""
+"""common.py's run files: the phase timer, the run's plot, flag parsing (recipe defaults, a script's recipe, bool
+spellings, the resume merge) and the per-batch metrics."""
 import json
 from dataclasses import dataclass
 
@@ -7,27 +7,28 @@ import pytest
 import torch
 
 import common
-from common import PhaseTimer, Sample, arg, batch_metrics, flags_given, parse_args, plot_metrics
+from common import DATASETS, RECIPE, PhaseTimer, Sample, arg, batch_metrics, parse_args, plot_metrics
 
 
-def test_phase_timer_phases_are_exclusive_and_add_up_to_the_step(monkeypatch):
+def test_phase_timer_adds_up_each_phase_and_the_whole_step(monkeypatch):
+    """Phases do not nest: each `with timer(name)` adds its seconds to name_s; step_s is everything since the timer
+    was made, so the phases sum to at most step_s (the rest is outside every phase)."""
     now = [0.0]
     monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
     timer = PhaseTimer()
     with timer("rollout"):
-        now[0] += 2.0
-        with timer("reward"):  # inside rollout (2-GRPO's resampling): counted once, as reward
-            now[0] += 0.5
-        now[0] += 1.0
+        now[0] += 3.0
+    with timer("reward"):
+        now[0] += 0.5
     with timer("update"):
         now[0] += 3.0
-        with timer("pack"):
-            now[0] += 0.25
     with timer("reward"):  # a phase entered twice adds up
         now[0] += 0.5
     now[0] += 0.75  # outside every phase: only in step_s
     seconds = timer.seconds()
-    assert seconds == {"rollout_s": 3.0, "reward_s": 1.0, "update_s": 3.0, "pack_s": 0.25, "step_s": 8.0}
+    assert seconds == {"rollout_s": 3.0, "reward_s": 1.0, "update_s": 3.0, "step_s": 7.75}
+    assert sum(v for k, v in seconds.items() if k != "step_s") <= seconds["step_s"]
+    assert PhaseTimer().seconds() == {"step_s": 0.0}  # no phase yet: step_s only
 
 
 def test_plot_metrics_writes_a_png_and_skips_a_cut_line(tmp_path):
@@ -41,13 +42,14 @@ def test_plot_metrics_writes_a_png_and_skips_a_cut_line(tmp_path):
 
 
 @dataclass
-class Flags:
+class Flags:  # the shared flags parse_args and check_flags read; the recipe's own default None, as recipe_arg gives
     dataset: str = arg("toy", "dataset")
     out: str = arg("", "output")
     resume: str = arg("", "resume")
     seed: int = arg(0, "seed")
     rollout: str = arg("hf", "engine", choices=["auto", "vllm", "hf"])
-    prompts_per_step: int = arg(4, "B")
+    model: str = arg(None, "model")
+    prompts_per_step: int = arg(None, "B")
     group_size: int = arg(2, "G")
     temperature: float = arg(1.0, "T")
     max_tokens: int = arg(None, "max tokens")
@@ -68,6 +70,8 @@ class Flags:
     grad_clip: float = arg(1.0, "clip")
     token_budget: int = arg(None, "budget")
     logprob_chunk: int = arg(1024, "chunk")
+    grad_ckpt: bool = arg(None, "checkpointing")
+    attn: str = arg("varlen", "attention", choices=["varlen", "flash_attention_2", "sdpa", "eager"])
     eval_every: int = arg(None, "eval")
     eval_n: int = arg(None, "eval n")
     save_every: int = arg(50, "save")
@@ -75,44 +79,103 @@ class Flags:
     ckpt: bool = arg(None, "a switch whose default is decided later")
 
 
-def test_parse_args_fills_the_recipe_and_reports_what_was_given(tmp_path):
-    args, given = parse_args(Flags, "m", "", ["--seed", "3", "--no_floor", "--out", str(tmp_path / "o")])
-    assert given == {"seed", "floor", "out"}
-    assert (args.seed, args.floor, args.lr, args.max_tokens, args.steps) == (3, False, 3e-4, 24, 40)
-    args, _ = parse_args(Flags, "m", "", ["--dataset", str(tmp_path), "--out", str(tmp_path / "o")])
-    assert (args.lr, args.max_tokens, args.template) == (1e-6, 1024, "plain")  # a local folder: RECIPE
-    with pytest.raises(SystemExit):
-        parse_args(Flags, "m", "", ["--floor", "maybe"])
+RECIPE_KEYS = ("model", "template", "prompts_per_step", "lr", "max_tokens", "steps", "eval_every", "eval_n")
+
+
+def test_parse_args_fills_the_recipe_of_the_toy_and_of_a_local_folder(tmp_path):
     out = ["--out", str(tmp_path / "o")]
+    args = parse_args(Flags, "m", "", argv=["--seed", "3", "--no_floor", *out])
+    assert isinstance(args, Flags) and (args.seed, args.floor, args.out) == (3, False, str(tmp_path / "o"))
+    assert tuple(getattr(args, k) for k in RECIPE_KEYS) == tuple(DATASETS["toy"][k] for k in RECIPE_KEYS)
+    assert (args.lr, args.max_tokens, args.steps) == (3e-4, 24, 40)
+    args = parse_args(Flags, "m", "", argv=["--dataset", str(tmp_path), *out])  # a local folder: RECIPE
+    assert tuple(getattr(args, k) for k in RECIPE_KEYS) == tuple(RECIPE[k] for k in RECIPE_KEYS)
+    assert (args.lr, args.max_tokens, args.template) == (1e-6, 1024, "plain")
+    args = parse_args(Flags, "m", "", argv=["--lr", "0.5", "--max_tokens", "7", *out])  # an explicit flag wins
+    assert (args.lr, args.max_tokens, args.steps) == (0.5, 7, 40)
+
+
+def test_parse_args_resolves_the_defaults_decided_later(tmp_path):
+    args = parse_args(Flags, "m", "", argv=["--out", str(tmp_path / "o")])
+    cuda = torch.cuda.is_available()
+    assert args.grad_ckpt is cuda and args.token_budget == (16384 if cuda else 4096)
+    assert parse_args(Flags, "m", "", argv=["--attn", "sdpa", "--out", str(tmp_path / "o")]).token_budget == 512
+    assert parse_args(Flags, "m", "", argv=["--grad_ckpt", "true", "--out", str(tmp_path / "o")]).grad_ckpt is True
+    args = parse_args(Flags, "m", "", argv=["--dataset", str(tmp_path / "mine") + "/"])
+    assert args.out.startswith("runs/m-mine-")  # runs/<method>-<dataset>-<time>
+
+
+@dataclass
+class OwnDefault(Flags):
+    prompts_per_step: int = arg(4, "B: this script's own default, as cppo.py's 8")
+
+
+def test_the_recipe_leaves_a_scripts_own_default_alone(tmp_path):
+    """The recipe fills the flags whose default is None (recipe_arg); a flag with a default of its own keeps it, as
+    --help says (cppo.py: --prompts_per_step 8)."""
+    args = parse_args(OwnDefault, "m", "", argv=["--out", str(tmp_path / "o")])
+    assert args.prompts_per_step == 4 and args.lr == DATASETS["toy"]["lr"]
+
+
+def test_a_scripts_recipe_reads_the_first_parse_and_loses_to_an_explicit_flag(tmp_path):
+    seen = []
+
+    def recipe(first):  # as two_grpo.pair_recipe: lr from the B given (None when not given)
+        seen.append(dict(first))
+        return {"lr": 1e-3 * (first["prompts_per_step"] or 32), "steps": 3}
+    out = ["--out", str(tmp_path / "o")]
+    args = parse_args(Flags, "m", "", recipe=recipe, argv=["--prompts_per_step", "8", *out])
+    assert seen[-1]["prompts_per_step"] == 8 and seen[-1]["lr"] is None  # the command line alone
+    assert (args.prompts_per_step, args.lr, args.steps) == (8, 8e-3, 3)  # the script's recipe over the dataset's
+    args = parse_args(Flags, "m", "", recipe=recipe, argv=out)
+    assert (args.prompts_per_step, args.lr) == (DATASETS["toy"]["prompts_per_step"], 32e-3)
+    args = parse_args(Flags, "m", "", recipe=recipe, argv=["--prompts_per_step", "8", "--lr", "0.5", "--steps=9", *out])
+    assert (args.prompts_per_step, args.lr, args.steps) == (8, 0.5, 9)
+
+
+def test_bool_flags_take_every_spelling(tmp_path):
+    out = ["--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit):
+        parse_args(Flags, "m", "", argv=["--floor", "maybe", *out])
     spellings = {"": (True, None), "--no-floor --ckpt": (False, True), "--floor false --ckpt no": (False, False),
-                 "--no_floor --ckpt=false": (False, False)}
+                 "--no_floor --ckpt=false": (False, False), "--floor=yes --ckpt true": (True, True)}
     for argv, want in spellings.items():
-        args, given = parse_args(Flags, "m", "", argv.split() + out)
-        assert (args.floor, args.ckpt) == want and given == {"out"} | ({"floor", "ckpt"} if argv else set())
-
-
-def test_flags_given_reads_every_spelling_from_the_command_line():
-    names = {"seed", "floor", "max_tokens", "prompts_per_step"}
-    argv = ["--seed", "3", "--no-floor", "--max-tokens=24", "--prompts_per_step", "8", "--unknown", "x"]
-    assert flags_given(argv, names) == names
-    assert flags_given(["--no_floor"], names) == {"floor"} and flags_given(["3", "-h"], names) == set()
-    assert flags_given(["--no_such"], names | {"no_such"}) == {"no_such"}  # a flag whose own name starts no_
+        args = parse_args(Flags, "m", "", argv=argv.split() + out)
+        assert (args.floor, args.ckpt) == want, argv
 
 
 def test_abbreviations_are_refused(tmp_path, capsys):
-    """allow_abbrev=False: '--prompts' would otherwise be taken for --prompts_per_step (and be missed as given)."""
-    with pytest.raises(SystemExit):
-        parse_args(Flags, "m", "", ["--prompts", "3", "--out", str(tmp_path / "o")])
-    assert "unrecognized arguments: --prompts 3" in capsys.readouterr().err
+    """allow_abbrev=False: '--prompts' would otherwise be taken for --prompts_per_step."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(Flags, "m", "", argv=["--prompts", "3", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == ["error: unrecognized arguments: --prompts 3"]
 
 
-def test_resume_keeps_the_saved_flags_unless_given_again(tmp_path):
+def test_resume_takes_the_saved_flags_and_a_flag_given_again_wins(tmp_path):
     run = tmp_path / "run"
-    (run / "checkpoint").mkdir(parents=True)
-    (run / "checkpoint" / "state.pt").write_bytes(b"")
-    (run / "config.json").write_text(json.dumps({"args": {"seed": 7, "lr": 1e-3, "steps": 9, "out": "elsewhere"}}))
-    args, _ = parse_args(Flags, "m", "", ["--resume", str(run), "--steps", "12"])
-    assert (args.seed, args.lr, args.steps, args.out) == (7, 1e-3, 12, str(run))
+    (run / "checkpoint-3").mkdir(parents=True)
+    (run / "checkpoint-3" / "state.pt").write_bytes(b"")  # parse_args only looks for it
+    saved = {"seed": 7, "lr": 1e-3, "steps": 9, "out": "elsewhere", "floor": False, "prompts_per_step": 5,
+             "token_budget": 777, "grad_ckpt": True, "not_a_flag_here": 1}
+    (run / "config.json").write_text(json.dumps({"args": saved}))
+    args = parse_args(Flags, "m", "", argv=["--resume", str(run), "--steps", "12"])
+    assert (args.seed, args.lr, args.steps, args.out, args.resume) == (7, 1e-3, 12, str(run), str(run))
+    assert (args.floor, args.prompts_per_step, args.token_budget, args.grad_ckpt) == (False, 5, 777, True)
+
+
+@pytest.mark.parametrize("config", ["{not json", '{"no_args": 1}', None])
+def test_resume_with_an_unreadable_config_is_one_line(tmp_path, capsys, config):
+    run = tmp_path / "run"
+    (run / "checkpoint-3").mkdir(parents=True)
+    (run / "checkpoint-3" / "state.pt").write_bytes(b"")
+    if config is not None:
+        (run / "config.json").write_text(config)
+    with pytest.raises(SystemExit) as e:
+        parse_args(Flags, "m", "", argv=["--resume", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: --resume {str(run)!r}: its config.json cannot be read"), err
 
 
 def test_batch_metrics_by_hand():

@@ -2,20 +2,21 @@
 pair loss (v2 Eq. 14) equals the GRPO loss with G = 2 and the population std, skipping tied pairs leaves the update
 unchanged, the 2-GRPO+RS draw sizes, and the script end to end (defaults scaled from the GRPO recipe, resume, bad
 input, the logged phases)."""
+import dataclasses
 import json
 import os
 
 import pytest
 import torch
 
-from common import Sample, group_advantages, packed_logprobs, policy_update, token_coefficients
+from common import Passes, Sample, group_advantages, packed_logprobs, policy_update, token_coefficients
 from conftest import RecordingOptimizer as Capture  # keeps the accumulated gradient instead of stepping
 from conftest import assert_grads_close
 from test_cli import REPO, rows, run
 from two_grpo import Args, prompts_to_draw, rows_to_train
 
 SMALL = ["--prompts_per_step", "8", "--eval_n", "16"]
-PHASES = ["rollout_s", "reward_s", "logp_s", "update_s", "push_s"]  # exclusive: together, the step
+PHASES = ["rollout_s", "reward_s", "logp_s", "update_s", "push_s"]  # not nested: together, the step
 
 
 def test_group_advantages_of_pairs_are_exactly_plus_minus_one_or_zero():
@@ -48,6 +49,11 @@ def eq14_loss(model, samples, old, eps_low, eps_high, vocab):
     return -total / pairs
 
 
+def with_coefs(samples, coefs):
+    """Copies of `samples` carrying their loss coefficients c_i, as the script sets them before the update."""
+    return [dataclasses.replace(s, coef=c) for s, c in zip(samples, coefs.tolist())]
+
+
 def pair_batch(tiny):
     model, tokenizer = tiny
     enc = lambda text: tokenizer(text)["input_ids"]
@@ -67,10 +73,12 @@ def test_eq14_pair_loss_equals_the_grpo_loss_with_g2_and_population_std(tiny):
     with torch.no_grad():  # an old policy away from the current one, so both clips bind on some tokens
         old = [packed_logprobs(model, [s], 1.0, vocab, 1024) + 0.4 * torch.randn(len(s.completion_ids))
                for s in samples]
-    coefs = token_coefficients([len(s.completion_ids) for s in samples], "seq_mean")
+    samples = with_coefs(samples, token_coefficients([len(s.completion_ids) for s in samples], "seq_mean"))
+    for s, lp in zip(samples, old):
+        s.old_logps = lp
     opt = Capture(model)
-    stats = policy_update(model, opt, samples, coefs, temperature=1.0, vocab_size=vocab, token_budget=64,
-                          eps_low=0.2, eps_high=0.28, beta=0.0, old_logps=old, grad_clip=1e9)
+    stats = policy_update(model, opt, samples, Passes(1.0, vocab, token_budget=64), clip=(0.2, 0.28), beta=0.0,
+                          grad_clip=1e9)
     assert 0 < stats["clip_frac"] < 1
     model.zero_grad()
     want = eq14_loss(model, samples, old, 0.2, 0.28, vocab)
@@ -84,12 +92,14 @@ def test_eq14_pair_loss_equals_the_grpo_loss_with_g2_and_population_std(tiny):
 def test_training_on_mixed_pairs_only_gives_the_same_update(tiny, loss_agg):
     model, tokenizer = tiny
     vocab, samples = len(tokenizer), pair_batch(tiny)
-    kw = dict(temperature=1.0, vocab_size=vocab, token_budget=64, eps_low=0.2, eps_high=0.28, beta=0.0)
+    kw = dict(clip=(0.2, 0.28), beta=0.0)
+    passes = Passes(1.0, vocab, token_budget=64)
     full, part = Capture(model), Capture(model)
-    policy_update(model, full, samples, token_coefficients([len(s.completion_ids) for s in samples], loss_agg), **kw)
+    policy_update(model, full, with_coefs(samples, token_coefficients([len(s.completion_ids) for s in samples],
+                                                                     loss_agg)), passes, **kw)
     keep, coefs = rows_to_train(samples, loss_agg, None, len(samples), skip_tied=True)
     assert keep == [0, 1, 4, 5]  # the tied pair (rows 2, 3) never reaches the trainer
-    stats = policy_update(model, part, [samples[i] for i in keep], coefs, **kw)
+    stats = policy_update(model, part, with_coefs([samples[i] for i in keep], coefs), passes, **kw)
     assert stats["train_tokens"] == sum(len(samples[i].completion_ids) for i in keep)
     assert_grads_close(part.grads, full.grads, rel=1e-5)
     # a 2-GRPO+RS batch cut short at the cap: 3 pairs in 4 slots are still normalised by all 8 slots

@@ -125,7 +125,7 @@ def test_hf_engine_ignores_the_models_own_sampling_settings(tiny_dir):
 
 def test_hf_engine_cuts_at_eos_and_masks_padded_ids(setup):
     _, model, tokenizer = setup
-    hf = HFEngine(model, tokenizer, len(tokenizer), [tokenizer.eos_token_id], batch_size=2)
+    hf = HFEngine(model, tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     outputs = hf.generate(prompts_of(tokenizer), n=3, temperature=1.0, max_tokens=20, seed=0)
     assert [len(g) for g in outputs] == [3, 3, 3]
     for group in outputs:
