@@ -1,12 +1,11 @@
 """The five scripts side by side: one command, on any machine, writes docs/results.md and its plots.
 
-Parts (--parts): step, one training update packed (common.policy_update) against right-padded doing
-the same work, in tokens/s (on a GPU also peak memory and MFU), on a model built from a config
-(--shape) over a length mix (--lengths); breakdown, a few steps of each method at matched settings
-split into the phases each script logs, as ratios to GRPO beside the ratio its config.json promises;
-learning, each method's default command per task and seed: held-out accuracy against steps and
-wall-clock (the sum of the logged step_s), the cost of reaching --target and, on chains, accuracy
-by chain length. These two run the scripts (`python cppo.py ...`) and read only what they write.
+Parts (--parts): step, one training update right-padded, packed (common.policy_update) and packed with
+each group's prompt once, in completion tokens/s (GPU: also memory, MFU), on a model built from a config
+(--shape) over a length mix (--lengths); breakdown, a few steps of each method at matched settings by the
+phases each script logs, as ratios to GRPO; learning, each method's default command per task and seed:
+accuracy against steps and wall-clock (the summed step_s), the cost of reaching --target, on chains by
+chain length. These two run the scripts (`python cppo.py ...`) and read only what they write.
 
     python bench.py --quick     # ~7 minutes on a 2-core CPU, into runs/bench-<time>/ (not docs/)
     python bench.py             # the full run: 11-step breakdown, 40-step curves, seeds 0 1 2
@@ -40,9 +39,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SHAPES = {  # Qwen2.5's (2 KV heads, 151,936-token vocabulary); toy: the toy task's model
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, intermediate_size=4864),
     "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, intermediate_size=8960)}
-# (prompt mean, prompt std, completion median, completion log-std, completion cap); gsm8k: CPPO's system
-# prompt + a GSM8K question, Qwen2.5-1.5B-like completions; chains: what its model samples (model_lengths)
-LENGTHS = {"toy": (19, 1, 9, 0.1, 24), "gsm8k": (130, 25, 200, 0.5, 1024), "chains": None}
+# (prompt mean, prompt std, completion median, completion log-std, completion cap); gsm8k: cppo_gsm8k's prompt on
+# GSM8K questions (Qwen2.5's tokens, docs/grpo.md#shared-prompt), Qwen2.5-1.5B-like completions; chains: its model's
+LENGTHS = {"toy": (19, 1, 9, 0.1, 24), "gsm8k": (157, 22, 200, 0.5, 1024), "chains": None}
 PARTS = ["step", "breakdown", "learning"]
 METHODS = ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]
 PHASES = ["rollout_s", "reward_s", "logp_s", "update_s", "overhead_s", "other_s"]  # in step order
@@ -85,27 +84,28 @@ def generate(path, questions, template, max_tokens, temperature=0.0, seed=0):
 
 
 @functools.lru_cache(maxsize=None)
-def model_lengths(dataset, n, seed=0):
-    """(prompt, completion) lengths of n samples (T = 1) of a built-in task's model on its training prompts."""
+def model_lengths(dataset, n, group, seed=0):
+    """(prompt, completion) lengths of n samples (T = 1), `group` per training prompt, of a built-in task's model."""
     task = DATASETS[dataset]
     rows = read(os.path.join(task["path"], "train.jsonl"))
-    questions = [rows[i]["question"] for i in take_prompts(len(rows), 0, n, seed)]
+    questions = [rows[i]["question"] for i in take_prompts(len(rows), 0, -(-n // group), seed) for _ in range(group)]
     return [(len(p), len(c)) for p, c, _ in generate(task["model"], questions, task["template"],
-                                                     task["max_tokens"], 1.0, seed)]
+                                                     task["max_tokens"], 1.0, seed)][:n]
 
 
-def synthetic_samples(n, lengths, vocab, seed=0):
-    """n rollouts of random tokens, N(0, 1) advantages and seq-mean coefficients, with LENGTHS."""
+def synthetic_samples(n, lengths, vocab, group, seed=0):
+    """n rollouts of random tokens, `group` behind each prompt, N(0, 1) advantages, seq-mean coefficients, LENGTHS."""
     rng = np.random.default_rng(seed)
     if LENGTHS[lengths] is None:
-        prompt, completion = zip(*model_lengths(lengths, n, seed))
+        prompt, completion = zip(*model_lengths(lengths, n, group, seed))
     else:
         p_mean, p_std, c_median, c_sigma, c_cap = LENGTHS[lengths]
-        prompt = np.clip(rng.normal(p_mean, p_std, n), 4, None).astype(int)
+        prompt = np.clip(rng.normal(p_mean, p_std, -(-n // group)), 4, None).astype(int).repeat(group)[:n]
         completion = np.clip(rng.lognormal(np.log(c_median), c_sigma, n), 1, c_cap).astype(int)
     coefs = token_coefficients(completion, "seq_mean").tolist()
-    return [Sample(rng.integers(3, vocab, p).tolist(), rng.integers(3, vocab, c).tolist(),
-                   advantage=float(rng.normal()), coef=k) for p, c, k in zip(prompt, completion, coefs)]
+    prompts = [rng.integers(3, vocab, p).tolist() for p in prompt[::group]]
+    return [Sample(prompts[i // group], rng.integers(3, vocab, c).tolist(), advantage=float(rng.normal()), coef=k)
+            for i, (c, k) in enumerate(zip(completion, coefs))]
 
 
 def padded_groups(seq_lens, token_budget):
@@ -130,8 +130,7 @@ def _logprobs(hidden, weight, targets, temperature):
 def padded_update(model, optimizer, samples, passes, grad_clip=1.0):
     """policy_update's on-policy step without KL (the ratio is 1 in value: no clip acts) on
     right-padded micro-batches (padded_groups: TRL's layout), log-probs chunked as policy_update's."""
-    device = next(model.parameters()).device
-    cuda = device.type == "cuda"
+    device, cuda = DEVICE, DEVICE.type == "cuda"
     weight = model.get_output_embeddings().weight[:passes.vocab_size].to(torch.bfloat16 if cuda else torch.float32)
     groups = padded_groups([len(s.prompt_ids) + len(s.completion_ids) for s in samples], passes.token_budget)
     start = 0
@@ -189,24 +188,29 @@ def step_section(args, figures):
         peak = 2 * 8192 ** 3 / timed(lambda: a @ a, 10)[0] / 1e12
     packed = functools.partial(policy_update, clip=(0.2, 0.2), beta=0.0)
     layouts = [("padded", padded_update, args.attn)] * (not args.no_padded) + [("packed", packed, args.attn)]
+    layouts += [("shared prompt", packed, "varlen")] * (args.attn == "varlen")  # only varlen can share
     layouts += [("packed, dense mask", packed, "sdpa")] * (args.dense and args.attn == "varlen")
-    samples = {mix: synthetic_samples(args.sequences, mix, vocab) for mix in args.lengths}
+    samples = {mix: synthetic_samples(args.sequences, mix, vocab, args.step_group) for mix in args.lengths}
     jobs = [(mix, budget, *layout) for mix in args.lengths for budget in args.budgets for layout in layouts]
-    speed, padded = {}, {}
-    table = ["| lengths | layout | token budget | micro-batches | s / update | tokens/s | vs padded (same budget) "
-             "| bound: padded / packed tokens, scores | peak GiB | MFU |", "|" + "---|" * 10]
+    speed, ran = {}, []  # ran: the row tokens of each forward pass (padding included)
+    model.get_decoder().register_forward_pre_hook(lambda _, a, k: ran.append(k["input_ids"].numel()), with_kwargs=True)
+    table = ["| lengths | layout | token budget | micro-batches | s / update | completion tokens/s | vs padded, "
+             "packed (same budget) | bound: padded / packed tokens, scores | peak GiB | MFU |", "|" + "---|" * 10]
     for mix, budget, layout, update, attn in tqdm(jobs, desc="bench: training step", dynamic_ncols=True):
         lens = [len(s.prompt_ids) + len(s.completion_ids) for s in samples[mix]]
+        done = sum(len(s.completion_ids) for s in samples[mix])  # the same work in every layout
         model.set_attn_implementation(attn)
-        call = functools.partial(update, model, optimizer, samples[mix], Passes(1.0, vocab, budget))
-        seconds, memory, stats = timed(call, args.repeats)
-        speed[mix, budget, layout] = sum(lens) / seconds
-        padded.setdefault((mix, budget), seconds if layout == "padded" else None)
-        ratio = padded[mix, budget] and f"{padded[mix, budget] / seconds:.2f}x"
+        passes = Passes(1.0, vocab, budget, shared=layout == "shared prompt")
+        seconds, memory, stats = timed(functools.partial(update, model, optimizer, samples[mix], passes), args.repeats)
+        speed[mix, budget, layout] = done / seconds
+        ratio = ", ".join(f"{speed[mix, budget, layout] / speed[mix, budget, base]:.2f}x {base}"
+                          for base in ("padded", "packed") if (mix, budget, base) in speed and base != layout)
+        laid = sum(ran[-stats["micro_batches"]:])  # tokens the model ran in the last update, padding included
         bound = layout != "padded" and "{:.2f}x, {:.2f}x".format(*padding_bound(lens, budget))
-        gpu = f"{memory:.1f} | {mfu(n_params, sum(lens), seconds, peak):.1%}" if peak else "- | -"
-        table.append(f"| {mix} ({sum(lens):,} tokens) | {layout} | {budget} | {stats['micro_batches']} | "
-                     f"{seconds:.3f} | {sum(lens) / seconds:,.0f} | {ratio or '-'} | {bound or '-'} | {gpu} |")
+        bound = f"{sum(lens) / laid:.2f}x tokens" if passes.shared else bound  # what laying prompts out once saves
+        gpu = f"{memory:.1f} | {mfu(n_params, laid, seconds, peak):.1%}" if peak else "- | -"
+        table.append(f"| {mix} ({done:,} of {sum(lens):,} tokens) | {layout} | {budget} | {stats['micro_batches']} | "
+                     f"{seconds:.3f} | {done / seconds:,.0f} | {ratio or '-'} | {bound or '-'} | {gpu} |")
     print("\n".join(table))
     fig, axes = plt.subplots(1, len(args.lengths), figsize=(5 * len(args.lengths) + 1, 3.5), squeeze=False)
     width = 0.8 / len(layouts)
@@ -215,23 +219,22 @@ def step_section(args, figures):
             ax.bar(np.arange(len(args.budgets)) + (k - (len(layouts) - 1) / 2) * width,
                    [speed[mix, b, name] for b in args.budgets], width=width, label=name)
         ax.set(xticks=range(len(args.budgets)), xticklabels=args.budgets, title=f"{mix} lengths",
-               xlabel="token budget per micro-batch", ylabel="tokens / s (one update)")
+               xlabel="token budget per micro-batch", ylabel="completion tokens / s (one update)")
     axes[0][-1].legend(fontsize=8)
     figures["step.png"] = fig
-    return ["## 1. The training update: packed vs padded", "",
+    return ["## 1. The training update: padded, packed, shared prompt", "",
             f"{args.shape} shape ({n_params / 1e6:.1f}M parameters, random weights, fp32 master weights"
-            f"{', bf16 autocast' if peak else ''}), one update over {args.sequences} sequences, packed attention "
-            f"{args.attn}{' (each sequence on its own: bucketed causal sdpa)' * (args.attn == 'varlen')}, median "
-            f"of {args.repeats} timed updates after one warm-up"
+            f"{', bf16 autocast' if peak else ''}), one update over {args.sequences} completions, {args.step_group} "
+            f"per prompt, attention {args.attn}{' (bucketed causal sdpa per sequence)' * (args.attn == 'varlen')}, "
+            f"median of {args.repeats} timed updates after one warm-up"
             + (f"; measured bf16 matmul peak {peak:.0f} TFLOP/s." if peak else "."), "", *table, "",
-            "![tokens/s per layout and budget](results/step.png)", "",
-            "All layouts compute the same gradient (tests/test_bench.py, tests/test_packing.py). *padded*: as many "
-            "right-padded sequences per micro-batch as fit the budget at the batch's longest length, in rollout "
-            "order; *packed*: common.pack_microbatches (first-fit decreasing) with the attention above; *packed, "
-            "dense mask* (`--dense`): the same under sdpa's block-diagonal [T, T] mask. The bound is what packing "
-            "can save at most: the padded layout's tokens and attention scores (b L_max, b L_max^2 summed over its "
-            "micro-batches) over the packed one's (sums of L_i, L_i^2; docs/grpo.md#packing). MFU: 6 N tokens / "
-            "time over the bf16 peak, GPU only.", ""]
+            "![completion tokens/s per layout and budget](results/step.png)", "",
+            "Every layout computes the same gradient (tests/test_bench.py, tests/test_packing.py). *padded*: "
+            "right-padded to the budget at the batch's longest, in rollout order; *packed*: first-fit decreasing, "
+            "the attention above; *shared prompt*: each group's prompt once (docs/grpo.md#shared-prompt); *dense "
+            "mask* (`--dense`): sdpa's [T, T] mask. Bound: the padded layout's tokens and attention scores (b L_max, "
+            "b L_max^2 per micro-batch) over the packed one's (sums of L_i, L_i^2; docs/grpo.md#packing); shared: "
+            "packed tokens over those run. MFU: 6 N × tokens run (padding included) / time over the bf16 peak.", ""]
 
 
 # 2. and 3. The scripts side by side: run them, read their logs
@@ -347,22 +350,21 @@ def breakdown_section(args, dataset, number, results, figures):
     cppo = "cppo" in runs and (f"; CPPO: `--prompts_per_step {round(Q * (1 - args.pruning))} --pruning {args.pruning}`,"
                                f" whose allocation sampled {runs['cppo'][2]['questions_per_step']} questions")
     lines = [f"## {number}. `{dataset}`: one step of each method at matched settings", "",
-             f"Every script samples the same {Q} questions × {G} completions = {Q * G} rollouts per step (2-GRPO: "
-             f"{Q * G // 2} prompts × 2{cppo or ''}), with μ = 2 (an old-log-prob pass), β = 0.04 (a reference pass), "
-             f"the same learning rate, a constant schedule and the seq-mean loss; {args.breakdown_steps} steps, "
-             "the first not timed, evaluations excluded. Seconds per step as each script's phase timer logged "
-             "them (median over the timed steps, phase by phase, so the phases need not add up exactly to the "
-             "step):", "", "| method | rollouts → rows trained | " + " | ".join(NAMES) + " | step |",
+             f"Every script samples {Q} questions × {G} completions = {Q * G} rollouts per step (2-GRPO: {Q * G // 2} "
+             f"prompts × 2{cppo or ''}), μ = 2 (an old-log-prob pass), β = 0.04 (a reference pass), one learning "
+             f"rate, a constant schedule, the seq-mean loss; {args.breakdown_steps} steps, the first not timed, no "
+             "evaluations. Seconds per step from each script's phase timer (medians phase by phase: they need not "
+             "add up to the step):", "", "| method | rollouts → rows trained | " + " | ".join(NAMES) + " | step |",
              "|---|---|" + "---|" * (len(PHASES) + 1)]
     lines += [f"| {m} | {ph['rollouts']:.0f} → {ph['trained']:.0f} | " + " | ".join(f"{ph[p]:.3f}" for p in PHASES)
               + f" | {ph['step_s']:.3f} |" for m, ph in phases.items()]
     if grpo:
-        lines += ["", "As ratios to GRPO, measured (ideal). The ideal is what the method's arithmetic promises, "
-                  "the share of the sampled completions its update trains on (config.json's ideal_trained_fraction: "
-                  "CPPO 1 − P, DPPO 1 − r_o in expectation, its prompt pruning acting from the second epoch and "
-                  "refilling the batch; 2-GRPO and MMR-GRPO all), the ideal step weighting those ratios by GRPO's "
-                  "measured phases. Method overhead is a share of the step.", "", "| method | rollout | reward | "
-                  "old/ref log-probs | update | method overhead, % of step | step |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "As ratios to GRPO, measured (ideal). The ideal is the method's arithmetic: the share of the "
+                  "sampled completions its update trains on (ideal_trained_fraction: CPPO 1 − P, DPPO 1 − r_o in "
+                  "expectation, its prompt pruning acting from the second epoch; 2-GRPO, MMR-GRPO all); the ideal "
+                  "step weights those ratios by GRPO's phases. Method overhead is a share of the step.", "",
+                  "| method | rollout | reward | old/ref log-probs | update | method overhead, % of step | step |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {m} | " + " | ".join(f"{ph[p] / grpo[p]:.2f} ({ideals[m][p]:.3g})" for p in SHARED[:4])
                   + f" | {ph['overhead_s'] / ph['step_s']:.1%} | {ph['step_s'] / grpo['step_s']:.2f} "
                   f"({steps[m]:.2f}) |" for m, ph in phases.items()]
@@ -389,11 +391,10 @@ def learning_section(args, dataset, number, results, figures):
     figures[f"learning-{dataset}.png"] = fig
     flags = results["learning", dataset, args.methods[0], args.seeds[0]][1]
     lines = [f"## {number}. `{dataset}`: learning, side by side", "",
-             f"Each script's default command on `--dataset {dataset}` from the same base model, seeds "
-             f"{', '.join(map(str, args.seeds))}, plus `{' '.join(flags[flags.index('--eval_every'):])}`. Greedy "
-             "held-out accuracy; wall-clock is the sum of the logged step times (start-up and evaluations "
-             f"excluded). With several seeds: mean [min–max]; *to {t}* counts the seeds whose accuracy reached it "
-             "at an evaluation and averages over those.", "",
+             f"Each script's default command on `--dataset {dataset}`, seeds {', '.join(map(str, args.seeds))}, plus "
+             f"`{' '.join(flags[flags.index('--eval_every'):])}`. Greedy held-out accuracy; wall-clock: the sum of "
+             f"the logged step times (no start-up, no evaluations). Mean [min–max] over seeds; *to {t}*: the seeds "
+             "whose accuracy reached it at an evaluation, averaged.", "",
              f"![accuracy vs step and vs wall-clock](results/learning-{dataset}.png)", "",
              f"| method | rollouts per step | final accuracy | best accuracy | seeds reaching {t} | steps to {t} | "
              f"training s to {t} | rollouts to {t} | training s, whole run | rollouts, whole run |",
@@ -468,8 +469,7 @@ def write_results(out, lines, figures):
     os.makedirs(os.path.join(out, "results"), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".bench-", dir=out) as staging:
         for name, fig in figures.items():
-            fig.tight_layout()
-            fig.savefig(os.path.join(staging, name), dpi=110)
+            fig.savefig(os.path.join(staging, name), dpi=110, bbox_inches="tight")
         with open(os.path.join(staging, "results.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
         for name in [*figures, "results.md"]:
@@ -493,6 +493,7 @@ def parse():
     a("--shape", default="toy", help=f"step: model shape, toy | {' | '.join(SHAPES)} | a model folder (its config)")
     a("--lengths", nargs="+", choices=list(LENGTHS), help="step: length mixes (default: all for toy, else gsm8k)")
     a("--sequences", type=int, default=256, help="step: completions per update (default 256)")
+    a("--step_group", type=int, default=8, help="step: completions per prompt, G (default 8)")
     a("--budgets", type=int, nargs="+", help="step: token budgets per micro-batch (default: 512 4096 16384 on "
       "CPU, 4096 16384 32768 on GPU; --quick 512 4096 on CPU)")
     a("--attn", default="varlen", choices=["varlen", "sdpa", "eager"], help="step: attention (sdpa, eager: dense mask)")
@@ -522,8 +523,8 @@ def parse():
     args.lengths = args.lengths or (["toy", "gsm8k", "chains"] if args.shape == "toy" else ["gsm8k"])
     full = set(args.parts) == set(PARTS) and not args.quick  # only the full run replaces docs/results.md
     args.out = args.out or (os.path.join(REPO, "docs") if full else f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    for name, least in dict(sequences=1, repeats=1, questions=1, group=1, eval_every=1, learn_steps=1, eval_n=1,
-                            breakdown_steps=2).items():
+    for name, least in dict(sequences=1, step_group=1, repeats=1, questions=1, group=1, eval_every=1, learn_steps=1,
+                            eval_n=1, breakdown_steps=2).items():
         if getattr(args, name) is not None and getattr(args, name) < least:
             die(f"--{name} must be at least {least}{': the first step is a warm-up' * (least == 2)} "
                 f"(got {getattr(args, name)})")

@@ -3,8 +3,8 @@
 Part I, one training step in order (the maths: docs/grpo.md)
   1. reward      math_reward(): math-verify judges the final answer, in bounded time
   2. advantages  group_advantages(): (r - mean) / (std + eps) in each prompt's group
-  3. packing     Sample, pack_microbatches(), the "varlen" attention: each sequence of a packed row
-                 attends to itself, its bounds read from the position ids
+  3. packing     Sample, pack_microbatches(), the "varlen" attention: each sequence of a packed row attends
+                 to itself (a group's prompt laid out once), its bounds read from the position ids
   4. log-probs   packed_logprobs(), memory-lean; sequence_logprobs() for the no-grad passes
   5. loss        token_coefficients(), token_loss(): the clipped surrogate and the k3 KL
   6. update      policy_update(): one optimiser step over packed micro-batches
@@ -27,7 +27,6 @@ import re
 import shutil
 import signal
 import sys
-import threading
 import time
 import types
 
@@ -44,7 +43,6 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's warnings (one per
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns that we run our own time limit
 transformers.utils.logging.disable_progress_bar()  # its loading and saving bars would break the training bar
 REPO = os.path.dirname(os.path.abspath(__file__))
-TOY_MODEL = os.path.join(REPO, "toy", "model")
 
 
 # Part I, the step. 1. Reward: math-verify judges the final answer only (docs/grpo.md#reward)
@@ -59,11 +57,7 @@ class VerifyTimeout(BaseException):  # BaseException: sympy's `except Exception`
 
 @contextlib.contextmanager
 def time_limit(seconds):
-    """VerifyTimeout after `seconds`, then every 50 ms (a __del__ swallows one); main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
+    """VerifyTimeout after `seconds`, then every 50 ms (a __del__ swallows one). Main thread only (signals)."""
     def on_alarm(signum, frame):
         raise VerifyTimeout()
     previous = signal.signal(signal.SIGALRM, on_alarm)
@@ -157,7 +151,7 @@ def group_advantages(rewards, std_mode="unbiased", eps=1e-4):
     return torch.where(tied, torch.zeros_like(adv), adv).float()
 
 
-# 3. Packing: samples back to back in one row, each attending to itself only (docs/grpo.md#packing)
+# 3. Packing: samples back to back in one row, each attending to itself, a group's prompt once (docs/grpo.md#packing)
 
 
 @dataclasses.dataclass
@@ -173,31 +167,46 @@ class Sample:
     ref_logps: torch.Tensor = None  # [|o|] under the frozen reference model (beta > 0)
 
 
-def pack_microbatches(lengths, token_budget):
-    """First-fit decreasing: index lists whose lengths fit the budget (a longer one goes alone)."""
-    bins, loads = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        b = next((b for b, load in enumerate(loads) if load + lengths[i] <= token_budget), len(bins))
-        if b == len(bins):
-            bins.append([])
-            loads.append(0)
-        bins[b].append(i)
-        loads[b] += lengths[i]
-    return bins
+def pack_microbatches(samples, token_budget, shared=False):
+    """First-fit decreasing: index lists of samples whose tokens fit the budget (a longer one goes alone). `shared`:
+    a prompt's samples together, P + sum L tokens, cut where they would pass it (docs/grpo.md#shared-prompt)."""
+    units = []  # [tokens, sample indices]: a sample, or (shared) a prompt's samples
+    for i in sorted(range(len(samples)), key=lambda i: samples[i].prompt_ids) if shared else range(len(samples)):
+        p, n = samples[i].prompt_ids, len(samples[i].completion_ids)
+        if shared and units and samples[units[-1][1][0]].prompt_ids == p and units[-1][0] + n <= token_budget:
+            units[-1][0] += n
+            units[-1][1].append(i)
+        else:
+            units.append([len(p) + n, [i]])
+    bins = []  # [tokens, sample indices]
+    for size, unit in sorted(units, key=lambda u: -u[0]):  # (a stable sort: ties keep their order)
+        fit = next((b for b in bins if b[0] + size <= token_budget), None)
+        if fit is None:
+            fit = [0, []]
+            bins.append(fit)
+        fit[0] += size
+        fit[1] += unit
+    return [b[1] for b in bins]
 
 
-def packed_inputs(samples, device):
-    """Samples back to back in one row, positions restarting at 0 per sequence; `predict`: positions
-    whose next token is a completion's. ([5, 6], [7]) and ([8], [9, 2]) give ids 5 6 7 8 9 2,
-    positions 0 1 2 0 1 2 and predict 1 3 4 (6 -> 7, 8 -> 9, 9 -> 2)."""
-    ids, pos, predict = [], [], []
+def packed_inputs(samples, device, shared=False):
+    """Samples back to back in one row, positions from 0 per sequence; `predict`: the rows whose next token is a
+    completion's, `targets` those. ([5, 6], [7]), ([8], [9, 2]): ids 5 6 7 8 9 2, positions 0 1 2 0 1 2, predict 1 3 4.
+    `shared`: neighbours' prompt once. ([5, 6], [7]), ([5, 6], [8, 9]): 5 6 7 8 9, 0 1 2 2 3, predict 1 1 3."""
+    ids, pos, predict, root, last = [], [], [], 0, None
     for s in samples:
-        n = len(s.prompt_ids) + len(s.completion_ids)
-        predict += range(len(ids) + len(s.prompt_ids) - 1, len(ids) + n - 1)
-        ids += s.prompt_ids + s.completion_ids
-        pos += range(n)
-    ids, pos, predict = (torch.tensor(x, dtype=torch.long, device=device) for x in (ids, pos, predict))
-    return ids[None], pos[None], predict  # [1, T], [1, T], [N]
+        p, c = s.prompt_ids, s.completion_ids
+        if not (shared and p == last):  # the prompt (shared: once per run of samples with it)
+            root, last = len(ids), p
+            ids += p
+            pos += range(len(p))
+        predict += [root + len(p) - 1, *range(len(ids), len(ids) + len(c) - 1)][:len(c)]
+        ids += c
+        pos += range(len(p), len(p) + len(c))
+    targets = [t for s in samples for t in s.completion_ids]
+    ids, pos, predict, targets = (torch.tensor(x, dtype=torch.long, device=device)
+                                  for x in (ids, pos, predict, targets))
+    return ids[None], pos[None], predict, targets  # [1, T], [1, T], [N], [N]
 
 
 BUCKET_RATIO = 0.8  # a sequence joins a bucket whose longest is at most 1.25x its length
@@ -206,24 +215,23 @@ PACKED = "packed row"  # what the "varlen" mask function hands every layer inste
 
 @functools.lru_cache(maxsize=1)  # once per forward: every layer gets the same position_ids tensor
 def seq_layout(position_ids):
-    """A packed row's sequences (each starts at position 0) in buckets of similar lengths: ([(count,
-    padded length)], gather [R]: rows of right-padded buckets (exact under a causal mask), scatter [T])."""
+    """A packed row's sequences (one starting at p > 0 behind the first p rows of the last from 0: a shared prompt) in
+    buckets of similar lengths: ([(count, padded length)], gather [R]: right-padded bucket rows, scatter [T])."""
     pos = position_ids[0].tolist()
-    starts = [t for t, p in enumerate(pos) if p == 0] + [len(pos)]
-    lengths = np.diff(starts).tolist()
-    buckets = []  # longest first; a sequence joins the open bucket if >= BUCKET_RATIO of its longest
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if buckets and lengths[i] >= BUCKET_RATIO * lengths[buckets[-1][0]]:
-            buckets[-1].append(i)
-        else:
-            buckets.append([i])
-    gather, scatter = [], [0] * len(pos)
-    for bucket in buckets:
-        for i in bucket:  # its tokens, then its last token again as padding
-            scatter[starts[i]:starts[i + 1]] = range(len(gather), len(gather) + lengths[i])
-            gather += [*range(starts[i], starts[i + 1])] + [starts[i + 1] - 1] * (lengths[bucket[0]] - lengths[i])
-    return [(len(b), lengths[b[0]]) for b in buckets], *(torch.tensor(x, device=position_ids.device)
-                                                        for x in (gather, scatter))
+    starts = [t for t in range(len(pos)) if t == 0 or pos[t] != pos[t - 1] + 1] + [len(pos)]
+    seqs, root = [], 0
+    for a, b in zip(starts, starts[1:]):
+        root = a if pos[a] == 0 else root
+        seqs.append([*range(root, root + pos[a]), *range(a, b)])  # (its prompt), itself
+    buckets, gather, scatter = [], [], [0] * len(pos)  # longest first: [count, padded length] per bucket
+    for i in sorted(range(len(seqs)), key=lambda i: -len(seqs[i])):
+        if not buckets or len(seqs[i]) < BUCKET_RATIO * buckets[-1][1]:  # else it joins the open bucket
+            buckets.append([0, len(seqs[i])])
+        buckets[-1][0] += 1
+        end = len(gather) + len(seqs[i])  # its rows, then its last row again as padding; each token's own output
+        scatter[starts[i]:starts[i + 1]] = range(end - (starts[i + 1] - starts[i]), end)
+        gather += seqs[i] + [seqs[i][-1]] * (buckets[-1][1] - len(seqs[i]))
+    return [tuple(b) for b in buckets], *(torch.tensor(x, device=position_ids.device) for x in (gather, scatter))
 
 
 def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
@@ -280,31 +288,30 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, confi
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)  # [N]
 
 
-def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024):
+def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=False):
     """Per-token log-probs [N] of the completions of `samples`, in one packed forward pass."""
     device = next(model.parameters()).device
-    input_ids, position_ids, predict = packed_inputs(samples, device)
+    input_ids, position_ids, predict, targets = packed_inputs(samples, device, shared)
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):  # bf16 on GPU only
         hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                                      use_cache=False).last_hidden_state[0]  # [T, d]; a mask or cache: leaks
         weight = model.get_output_embeddings().weight[:vocab_size]  # [V, d]: real tokens only
         weight = weight.to(torch.bfloat16) if weight.is_cuda else weight  # once, not per chunk
-        return chunked_logprobs(hidden[predict], weight, input_ids[0, predict + 1], temperature, chunk,
-                                model.config)  # [N]
+        return chunked_logprobs(hidden[predict], weight, targets, temperature, chunk, model.config)  # [N]
 
 
-# How the trainer's passes run: sampling temperature (log-probs of softmax(z / T)), the tokenizer's vocabulary (LM-head
-# rows past it are padding), tokens per micro-batch, rows per log-prob chunk, packer (lengths, budget) -> micro-batches
-Passes = collections.namedtuple("Passes", "temperature vocab_size token_budget chunk pack",
-                                defaults=(1024, pack_microbatches))
+# The passes: temperature T (softmax(z / T)), real vocabulary (LM-head rows past it: padding), tokens per micro-batch,
+# log-prob chunk, packer, a group's prompt once
+Passes = collections.namedtuple("Passes", "temperature vocab_size token_budget chunk pack shared",
+                                defaults=(1024, pack_microbatches, False))
 
 
 @torch.no_grad()
 def sequence_logprobs(model, samples, passes):
     """Per-sample token log-probs without grad (old-policy and reference passes): list of [|o_i|]."""
     out = {}
-    for mb in pack_microbatches([len(s.prompt_ids) + len(s.completion_ids) for s in samples], passes.token_budget):
-        lp = packed_logprobs(model, [samples[i] for i in mb], passes.temperature, passes.vocab_size, passes.chunk)
+    for mb in pack_microbatches(samples, passes.token_budget, passes.shared):
+        lp = packed_logprobs(model, [samples[i] for i in mb], *passes[:2], passes.chunk, passes.shared)
         out.update(zip(mb, lp.float().cpu().split([len(samples[i].completion_ids) for i in mb])))
     return [out[i] for i in range(len(samples))]
 
@@ -353,17 +360,16 @@ def token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta, is_weight
 def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0, grad_clip=1.0):
     """One optimiser step on packed micro-batches of `samples`, clip = (eps_low, eps_high). docs/grpo.md#eq-objective"""
     stats = collections.Counter()
-    for mb in passes.pack([len(s.prompt_ids) + len(s.completion_ids) for s in samples], passes.token_budget):
+    for mb in passes.pack(samples, passes.token_budget, passes.shared):
         batch = [samples[i] for i in mb]
-        logp = packed_logprobs(model, batch, passes.temperature, passes.vocab_size, passes.chunk)  # [N]
+        logp = packed_logprobs(model, batch, *passes[:2], passes.chunk, passes.shared)  # [N]
         adv = torch.tensor([s.advantage for s in batch for _ in s.completion_ids], device=logp.device)  # [N]
         coef = torch.tensor([s.coef for s in batch for _ in s.completion_ids], device=logp.device)  # [N]
         old = logp.detach()  # on-policy: the ratio is 1 in value, its gradient grad logp
         old = torch.cat([s.old_logps for s in batch]).to(logp.device) if batch[0].old_logps is not None else old
         ref = torch.cat([s.ref_logps for s in batch]).to(logp.device) if beta else None
-        engine = None  # [N] the log-probs the engine sampled with (vLLM only)
-        if batch[0].sample_logps is not None:
-            engine = torch.tensor([x for s in batch for x in s.sample_logps], device=logp.device)
+        engine = torch.tensor([x for s in batch for x in s.sample_logps], device=logp.device) \
+            if batch[0].sample_logps is not None else None  # [N] the log-probs the engine sampled with (vLLM only)
         is_weight = torch.exp(old - engine).clamp(max=tis_cap) if tis_cap and engine is not None else None
         loss_tok, kl, clipped = token_loss(logp, old, ref, adv, *clip, beta, is_weight)
         loss = (loss_tok * coef).sum()
@@ -428,31 +434,29 @@ class HFEngine:
     """Fallback rollout: transformers generate() on the training model itself (nothing to push)."""
 
     def __init__(self, model, tokenizer, vocab_size, stop_ids):
-        self.model, self.pad, self.stop_ids = model, tokenizer.pad_token_id, stop_ids
+        self.model, self.tokenizer, self.stop_ids = model, tokenizer, stop_ids
         self.suppress = list(range(vocab_size, model.get_output_embeddings().weight.shape[0]))
 
     @torch.no_grad()
     def generate(self, prompts, n, temperature, max_tokens, seed):
-        model, pad, device = self.model, self.pad, next(self.model.parameters()).device
+        model, device = self.model, next(self.model.parameters()).device
         # every field set: generate() fills unset ones from the model's (Qwen: top-k 20, repetition 1.05)
         config = GenerationConfig(do_sample=temperature > 0, temperature=temperature or 1.0, top_p=1.0, top_k=0,
                                   min_p=0.0, repetition_penalty=1.0, max_new_tokens=max_tokens, use_cache=True,
-                                  num_return_sequences=n, eos_token_id=self.stop_ids, pad_token_id=pad,
+                                  num_return_sequences=n, eos_token_id=self.stop_ids,
+                                  pad_token_id=self.tokenizer.pad_token_id,
                                   suppress_tokens=self.suppress or None)
         torch.manual_seed(seed)
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, P], left-padded
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        inputs = self.tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(device)
         model.eval()  # which also pauses gradient checkpointing (it would switch the KV cache off)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:]
+            out = model.generate(**inputs, generation_config=config)[:, inputs["input_ids"].shape[1]:]  # [B n, C]
         model.train()
         results = [(row[:next((k + 1 for k, t in enumerate(row) if t in self.stop_ids), len(row))], None)
                    for row in out.tolist()]  # [B n] rollouts, each up to its first stop token
         return [results[k * n:(k + 1) * n] for k in range(len(prompts))]
 
-    def push(self, model):  # nothing to push: it is the training model
-        pass
+    push = staticmethod(lambda model: None)  # nothing to push: it is the training model
 
 
 def evaluate(engine, tokenizer, rows, max_tokens, seed):
@@ -535,9 +539,8 @@ def parse_args(cls, method, description, recipe=None, argv=None):
         die(f"--resume {resume!r}: its config.json cannot be read ({e!r:.300})")
     flags = vars(parser.parse_args([token for key, value in front.items() if key in first and value is not None
                                     for token in (f"--{key}", str(value))] + argv))
-    cuda = torch.cuda.is_available()
-    if flags.get("grad_ckpt", False) is None:
-        flags["grad_ckpt"] = cuda  # needed for 1.5B at 16k tokens; only slower on CPU
+    cuda = torch.cuda.is_available()  # grad_ckpt: needed for 1.5B at 16k tokens, only slower on CPU
+    flags["grad_ckpt"] = cuda if flags["grad_ckpt"] is None else flags["grad_ckpt"]
     if flags["token_budget"] is None:  # docs/grpo.md#packing: sdpa and eager build a [T, T] mask
         flags["token_budget"] = 512 if flags["attn"] in ("sdpa", "eager") else 16384 if cuda else 4096
     name = os.path.basename(flags["dataset"].rstrip("/"))
@@ -588,10 +591,10 @@ TEMPLATES = {  # name -> (system prompt or None, user message with {question})
     "verl_math": (None, "{question} Let's think step by step and output the final answer within \\boxed{}."),
 }
 # Defaults of flags left at None (steps 0: one epoch); hub datasets and local files: 1.5B on one GPU
-RECIPE = dict(model=TOY_MODEL, template="plain", prompts_per_step=32, lr=1e-6, max_tokens=1024, steps=0,
+RECIPE = dict(model=f"{REPO}/toy/model", template="plain", prompts_per_step=32, lr=1e-6, max_tokens=1024, steps=0,
               eval_every=50, eval_n=500)
 DATASETS = {
-    "toy": dict(path=f"{REPO}/toy/data", model=TOY_MODEL, template="plain", prompts_per_step=32, lr=3e-4,
+    "toy": dict(path=f"{REPO}/toy/data", model=f"{REPO}/toy/model", template="plain", prompts_per_step=32, lr=3e-4,
                 max_tokens=24, steps=40, eval_every=10, eval_n=200),
     "chains": dict(path=f"{REPO}/toy/chains/data", model=f"{REPO}/toy/chains/model", template="plain",
                    prompts_per_step=16, lr=3e-4, max_tokens=200, steps=80, eval_every=10, eval_n=300),
@@ -643,10 +646,9 @@ def load_dataset(spec, eval_n):
         import datasets
         train, test = (to_rows(datasets.load_dataset(*entry[k][:2], split=entry[k][2]), entry[k][0])
                        if k in entry else None for k in ("hub", "test"))
-    elif os.path.isdir(entry["path"]):
-        test_path = os.path.join(entry["path"], "test.jsonl")
-        train = read_jsonl(os.path.join(entry["path"], "train.jsonl"))
-        test = read_jsonl(test_path) if os.path.exists(test_path) else None
+    elif os.path.isdir(folder := entry["path"]):
+        train = read_jsonl(os.path.join(folder, "train.jsonl"))
+        test = read_jsonl(f"{folder}/test.jsonl") if os.path.exists(f"{folder}/test.jsonl") else None
     elif os.path.isfile(entry["path"]):
         train, test = read_jsonl(entry["path"]), None
     else:
@@ -727,7 +729,8 @@ def setup(args, method, questions=None, config=None, about=""):
     run = types.SimpleNamespace(  # plain fields, no behaviour; start and cursor > 0 on --resume
         args=args, device=device, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows, stop_ids=stop_ids,
         model=model, ref_model=ref_model, engine=engine, optimizer=optimizer, scheduler=scheduler, steps=steps,
-        passes=Passes(args.temperature, len(tokenizer), args.token_budget, args.logprob_chunk), eval_acc=None,
+        passes=Passes(args.temperature, len(tokenizer), args.token_budget, args.logprob_chunk,
+                      shared=args.shared_prompt and args.attn == "varlen"), eval_acc=None,
         start=state["step"], cursor=state["cursor"], state=state,
         metrics=open_metrics(args.out, state["step"] if folder else None))
     print(f"{method}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "
@@ -838,13 +841,10 @@ class PhaseTimer:
 
 def plot_metrics(out):
     """out/metrics.png: reward, held-out accuracy and step time against the step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # (not pyplot: no GUI backend, no global figure to close)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if row_step(line) < math.inf]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    for ax, key in zip(axes, ["reward_mean", "eval_accuracy", "step_s"]):
+    fig = Figure(figsize=(13, 3.4))
+    for ax, key in zip(fig.subplots(1, 3), ["reward_mean", "eval_accuracy", "step_s"]):
         ax.plot(*zip(*([(r["step"], r[key]) for r in rows if key in r] or [(0, 0)])), marker=".")
         ax.set(title=key, xlabel="step")
     fig.savefig(os.path.join(out, "metrics.png"), dpi=90, bbox_inches="tight")
-    plt.close(fig)

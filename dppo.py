@@ -78,6 +78,8 @@ class Args:
     attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own, bucketed "
                               "sdpa), flash_attention_2 (needs flash-attn), sdpa or eager (a dense "
                               "[T, T] mask)", choices=["varlen", "flash_attention_2", "sdpa", "eager"])
+    shared_prompt: bool = arg(True, "each prompt once before its completions in a packed row (varlen "
+                                    "only: sdpa, eager, flash_attention_2 repeat it per completion)")
     # evaluation and checkpoints
     eval_every: int = recipe_arg("eval_every", "greedy held-out accuracy every N steps (0: start "
                                                "and end only)")
@@ -228,8 +230,8 @@ def main():
                     s.ref_logps = lp
         with timer("pack"):  # the update's micro-batches (docs/dppo.md#eq-density)
             lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-            bins = window_pack(lengths, args.token_budget, args.window)
-        passes = run.passes._replace(pack=lambda lengths, budget: bins)  # the update packs as window_pack did
+            bins = [sorted(b) for b in window_pack(lengths, args.token_budget, args.window)]  # a group together
+        passes = run.passes._replace(pack=lambda *_: bins)  # the update packs as window_pack did
         with timer("update"):
             for _ in range(args.mu):
                 stats = policy_update(model, run.optimizer, samples, passes, beta=args.beta,

@@ -77,6 +77,8 @@ class Args:
     attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own, bucketed "
                               "sdpa), flash_attention_2 (needs flash-attn), sdpa or eager (a dense "
                               "[T, T] mask)", choices=["varlen", "flash_attention_2", "sdpa", "eager"])
+    shared_prompt: bool = arg(True, "each prompt once before its completions in a packed row (varlen "
+                                    "only: sdpa, eager, flash_attention_2 repeat it per completion)")
     # evaluation and checkpoints
     eval_every: int = recipe_arg("eval_every", "greedy held-out accuracy every N steps (0: start "
                                                "and end only)")

@@ -140,3 +140,25 @@ class RecordingOptimizer:
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)
+
+
+@pytest.fixture
+def main_of(capfd):
+    """main_of("grpo", args): `python grpo.py args` run in this process, as subprocess.run's CompletedProcess (exit
+    code, stdout, stderr, captured at the file descriptors: transformers' own log lines count too). For inputs the
+    scripts refuse: a new interpreter would spend ~10 s importing torch and transformers for one line."""
+    import importlib
+    import subprocess
+
+    def run(script, args):
+        module, argv, code = importlib.import_module(script), sys.argv, 0
+        sys.argv = [f"{script}.py", *args]
+        try:
+            module.main()
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        finally:
+            sys.argv = argv
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess([script, *args], code, out, err)
+    return run

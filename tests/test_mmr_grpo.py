@@ -253,9 +253,9 @@ def inputs(tmp_path):
     (["--sim_floor", "maybe"], "Truthy value expected: got maybe"),
     (["--no_sim_floor", "yes"], "unrecognized arguments: yes"),
 ])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, args, message):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, main_of, args, message):
     out = inputs / "out"
-    result = run([a.replace("{tmp}", str(inputs)) for a in args] + ["--out", str(out)])
+    result = main_of("mmr_grpo", [a.replace("{tmp}", str(inputs)) for a in args] + ["--out", str(out)])
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr

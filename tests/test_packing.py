@@ -37,7 +37,7 @@ def padded(model, samples):
 def packed(model, samples, attention_mask=None):
     """All sequences in one row, restarting position ids, no mask: what the trainer does (the varlen attention finds
     the sequences from the position ids)."""
-    ids, pos, _ = packed_inputs(samples, "cpu")
+    ids, pos, _, _ = packed_inputs(samples, "cpu")
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
     logits = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask, use_cache=False).logits[0]
     return list(logits.split(lengths))
@@ -78,7 +78,7 @@ def test_packing_trap_all_ones_mask_leaks_across_sequences(tiny_dir, tiny):
     model, tokenizer = load_model(tiny_dir, torch.device("cpu"), attn="sdpa"), tiny[1]
     samples = make_samples(len(tokenizer))
     ref = one_at_a_time(model, samples)
-    ids, _, _ = packed_inputs(samples, "cpu")
+    ids, _, _, _ = packed_inputs(samples, "cpu")
     leaky = packed(model, samples, attention_mask=torch.ones_like(ids))
     assert (leaky[1] - ref[1]).abs().max() > 1e-2  # the second sequence attended to the first
 
@@ -118,7 +118,7 @@ def test_varlen_logprobs_and_gradients_equal_one_sequence_at_a_time_across_budge
             torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
         opt = RecordingOptimizer(model)
         stats = policy_update(model, opt, samples, passes, clip=(0.2, 0.2), beta=0.0, grad_clip=1e9)
-        assert stats["micro_batches"] == len(pack_microbatches([p + c for p, c in VARLEN_LENGTHS], budget))
+        assert stats["micro_batches"] == len(pack_microbatches(samples, budget))
         assert_grads_close(opt.grads, want_grads)
 
 
@@ -162,10 +162,10 @@ def test_packed_logprobs_and_gradients_equal_alone_across_the_test_models(tiny_d
     with torch.no_grad():  # the temperature divides the transformed logits
         torch.testing.assert_close(packed_logprobs(model, samples, 0.7, vocab, chunk=7),
                                    alone_logprobs(model, samples, vocab, 0.7), atol=1e-5, rtol=0)
-        ids, pos, predict = packed_inputs(samples, "cpu")
+        ids, pos, predict, targets = packed_inputs(samples, "cpu")
         hidden = model.get_decoder()(input_ids=ids, position_ids=pos, attention_mask=None,
                                      use_cache=False).last_hidden_state[0, predict]
-        bare = chunked_logprobs(hidden, model.get_output_embeddings().weight[:vocab], ids[0, predict + 1], config=None)
+        bare = chunked_logprobs(hidden, model.get_output_embeddings().weight[:vocab], targets, config=None)
     gap = (bare - want.detach()).abs().max().item()
     if arch in POST_HEAD:
         assert gap > 1e-2, gap  # a thousand times the tolerance: the check above would fail without the touch
@@ -300,10 +300,32 @@ def test_hf_generate_is_unchanged_by_the_varlen_attention(tiny_dir, tiny):
 
 
 def test_packed_inputs_layout():
-    ids, pos, predict = packed_inputs([Sample([5, 6], [7]), Sample([8], [9, 2])], "cpu")
+    ids, pos, predict, targets = packed_inputs([Sample([5, 6], [7]), Sample([8], [9, 2])], "cpu")
     assert ids.tolist() == [[5, 6, 7, 8, 9, 2]]
     assert pos.tolist() == [[0, 1, 2, 0, 1, 2]]
     assert predict.tolist() == [1, 3, 4]  # 6->7, 8->9, 9->2; never 7->8 across the boundary
+    assert targets.tolist() == [7, 9, 2]
+
+
+def test_shared_prompt_layout_by_hand():
+    """Prompt [5, 6] with completions [7] and [8, 9] (A1, A2), then prompt [4] with [3] (B): A's prompt is laid out
+    once; A2's positions go on from its prompt (2, 3); its first token is predicted from the prompt's last row (1,
+    shared with A1), the next from its own. The attention reads the same tree back from the positions alone. Only
+    neighbours share (pack_microbatches puts a group together): in the order A1, B, A2 nothing is shared."""
+    samples = [Sample([5, 6], [7]), Sample([5, 6], [8, 9]), Sample([4], [3])]
+    ids, pos, predict, targets = packed_inputs(samples, "cpu", shared=True)
+    assert ids.tolist() == [[5, 6, 7, 8, 9, 4, 3]]
+    assert pos.tolist() == [[0, 1, 2, 2, 3, 0, 1]]
+    assert predict.tolist() == [1, 1, 3, 5]  # A1: 6->7 | A2: 6->8, 8->9 | B: 4->3
+    assert targets.tolist() == [7, 8, 9, 3]
+    assert packed_inputs(samples, "cpu")[0].tolist() == [[5, 6, 7, 5, 6, 8, 9, 4, 3]]  # unshared
+    assert packed_inputs(samples[::2] + samples[1:2], "cpu", shared=True)[0].tolist() == [[5, 6, 7, 4, 3, 5, 6, 8, 9]]
+    # sequences: rows [0 1 2] (A1), [0 1 | 3 4] (A2 behind a copy of its prompt's rows), [5 6] (B); longest first,
+    # and 3 < 0.8 * 4: a bucket each
+    buckets, gather, scatter = seq_layout(pos)
+    assert buckets == [(1, 4), (1, 3), (1, 2)]
+    assert gather.tolist() == [0, 1, 3, 4, 0, 1, 2, 5, 6]  # A2 with its prompt in front, A1, B
+    assert scatter.tolist() == [4, 5, 6, 2, 3, 7, 8]  # every token's output from its own row, never from the copy
 
 
 def test_packed_logprobs_equal_plain_log_softmax(tiny):
@@ -388,7 +410,7 @@ def test_chunked_logprobs_never_keeps_a_tokens_by_vocab_tensor():
 
 def test_pack_microbatches_respects_budget_and_covers_everything():
     lengths = [5, 9, 3, 7, 12, 1, 8, 20]
-    bins = pack_microbatches(lengths, 16)
+    bins = pack_microbatches([Sample([1], [2] * (n - 1)) for n in lengths], 16)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= 16 for b in bins if len(b) > 1)
     assert [7] in bins  # the 20-token sequence is longer than the budget: alone
@@ -416,3 +438,110 @@ def test_microbatch_split_never_changes_the_gradient(tiny, loss_agg):
     for stats, grads in results[1:]:
         assert stats["loss"] == pytest.approx(results[0][0]["loss"], abs=1e-6)
         assert_grads_close(grads, results[0][1])
+
+
+# ---------------------------------------------------------------- the shared prompt (docs/grpo.md#shared-prompt)
+
+GROUPS = [8, 5, 3, 2, 1]  # GRPO's G = 8, groups CPPO and DPPO pruned, 2-GRPO's pair, a group of one
+
+
+def grouped_samples(vocab, group_sizes=GROUPS, seed=0):
+    """Groups of completions (1-40 tokens) behind one random prompt each (3-30 tokens), shuffled as pruning and
+    packing may leave them, with N(0, 1) advantages."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = lambda low, high: torch.randint(3, vocab, (int(torch.randint(low, high + 1, (), generator=g)),),
+                                             generator=g).tolist()
+    samples = []
+    for n in group_sizes:
+        prompt = tokens(3, 30)
+        samples += [Sample(prompt, tokens(1, 40), advantage=float(torch.randn((), generator=g))) for _ in range(n)]
+    return [samples[i] for i in torch.randperm(len(samples), generator=g).tolist()]
+
+
+def test_shared_prompt_equals_the_unshared_step(tiny):
+    """On the GQA tiny Qwen2, with partial groups in a shuffled order: per-token log-probs equal the unshared packed
+    step's to 5e-5 nats (fp32; only the order of sums changes) and the update's gradient to 1e-5 relative, in one
+    micro-batch, in several, and under a budget smaller than the 8-group (cut in pieces, the prompt in each); the
+    memory-lean log-prob in chunks of 7 rows. Fewer tokens are laid out, so fewer micro-batches at the same budget."""
+    model, tokenizer = tiny
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
+    vocab = len(tokenizer)
+    samples = grouped_samples(vocab)
+    coefs = token_coefficients([len(s.completion_ids) for s in samples], "seq_mean").tolist()
+    for s, c in zip(samples, coefs):
+        s.coef = c
+    unshared = Passes(1.0, vocab, token_budget=100_000, chunk=7)
+    want_lp = sequence_logprobs(model, samples, unshared)
+    want = RecordingOptimizer(model)
+    policy_update(model, want, samples, unshared, clip=(0.2, 0.2), beta=0.0, grad_clip=1e9)
+    group_tokens = max(len(s.prompt_ids) + sum(len(t.completion_ids) for t in samples if t.prompt_ids == s.prompt_ids)
+                       for s in samples)
+    for budget in (100_000, 150, group_tokens - 1):
+        passes = unshared._replace(token_budget=budget, shared=True)
+        for got, w in zip(sequence_logprobs(model, samples, passes), want_lp):
+            torch.testing.assert_close(got, w, atol=5e-5, rtol=0)
+        opt = RecordingOptimizer(model)
+        stats = policy_update(model, opt, samples, passes, clip=(0.2, 0.2), beta=0.0, grad_clip=1e9)
+        assert_grads_close(opt.grads, want.grads, rel=1e-5)
+        assert stats["train_tokens"] == sum(len(s.completion_ids) for s in samples)
+        bins = pack_microbatches(samples, budget, shared=True)
+        assert sorted(i for b in bins for i in b) == list(range(len(samples)))
+        if budget < 100_000:
+            assert len(bins) < len(pack_microbatches(samples, budget))
+    prompts = {tuple(s.prompt_ids): 0 for s in samples}
+    for s in samples:
+        prompts[tuple(s.prompt_ids)] += 1
+    saved = sum((n - 1) * len(p) for p, n in prompts.items())  # each group's prompt laid out once, not n times
+    total = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    grouped = [samples[i] for i in pack_microbatches(samples, 100_000, shared=True)[0]]  # one micro-batch, by group
+    assert [packed_inputs(grouped, "cpu", shared)[0].shape[1] for shared in (False, True)] == [total, total - saved]
+
+
+def test_pack_microbatches_shares_a_prompt_by_hand():
+    """A prompt of 4 with completions of 5, 6, 7 costs 4 + 18 = 22 together; under a budget of 16 it is cut where the
+    next completion would not fit: [5, 6] (4 + 11 = 15) and [7] (4 + 7 = 11), each with the prompt. The group of one
+    (3 + 2 = 5) first-fits beside the 11."""
+    samples = [Sample([1] * 4, [2] * n) for n in (5, 6, 7)] + [Sample([3] * 3, [2] * 2)]
+    assert pack_microbatches(samples, 100, shared=True) == [[0, 1, 2, 3]]
+    assert pack_microbatches(samples, 16, shared=True) == [[0, 1], [2, 3]]
+    assert pack_microbatches(samples, 16) == [[2, 3], [1], [0]]  # unshared: 11, 10, 9, 5 tokens
+
+
+@pytest.mark.parametrize("arch", ["qwen2", *ARCH_CONFIGS])
+def test_shared_prompt_equals_alone_across_the_test_models(tiny_dir, arch_dir, arch):
+    """Each architecture's attention code (GQA, MQA, qk-norm, attention scales, sliding-window layers) runs the shared
+    layout exactly: log-probs equal each sequence alone to 1e-5, gradients to 1e-4 relative."""
+    model = load_model(tiny_dir if arch == "qwen2" else arch_dir(arch), torch.device("cpu"), attn="varlen")
+    vocab = model.config.vocab_size - 30
+    samples = sorted(grouped_samples(vocab, [4, 1, 3], seed=1), key=lambda s: s.prompt_ids)  # groups together
+    want = alone_logprobs(model, samples, vocab)
+    model.zero_grad()
+    want.sum().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got = packed_logprobs(model, samples, 1.0, vocab, chunk=7, shared=True)
+    torch.testing.assert_close(got.detach(), want.detach(), atol=1e-5, rtol=0)
+    got.sum().backward()
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want_grads)
+    model.zero_grad()
+
+
+def test_only_varlen_can_share_a_prompt(tiny_dir, tiny):
+    """sdpa (like eager and flash_attention_2) reads each run of positions as a sequence of its own: under it the
+    shared layout's completions lose their prompt, so the run falls back to one prompt per completion."""
+    vocab = len(tiny[1])
+    samples = sorted(grouped_samples(vocab, [3, 2], seed=2), key=lambda s: s.prompt_ids)
+    model = load_model(tiny_dir, torch.device("cpu"), attn="sdpa", frozen=True)
+    with torch.no_grad():
+        right = packed_logprobs(model, samples, 1.0, vocab)
+        wrong = packed_logprobs(model, samples, 1.0, vocab, shared=True)
+    assert (right - wrong).abs().max() > 1e-2
+    import grpo
+    from common import parse_args, setup
+    for flags, shared in ([], True), (["--attn", "sdpa"], False), (["--no_shared_prompt"], False):
+        out = tiny_dir + f"-setup-{len(flags)}-{shared}"
+        run = setup(parse_args(grpo.Args, "grpo", "", argv=["--rollout", "hf", "--eval_n", "2", "--out", out,
+                                                           *flags]), "grpo")
+        assert run.passes.shared is shared
+        run.metrics.close()
+        shutil.rmtree(out)

@@ -72,6 +72,7 @@ class Flags:  # the shared flags parse_args and check_flags read; the recipe's o
     logprob_chunk: int = arg(1024, "chunk")
     grad_ckpt: bool = arg(None, "checkpointing")
     attn: str = arg("varlen", "attention", choices=["varlen", "flash_attention_2", "sdpa", "eager"])
+    shared_prompt: bool = arg(True, "one prompt per group")
     eval_every: int = arg(None, "eval")
     eval_n: int = arg(None, "eval n")
     save_every: int = arg(50, "save")

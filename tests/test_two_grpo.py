@@ -192,12 +192,12 @@ def test_two_grpo_resample_with_no_mixed_pair_goes_on(tmp_path):
     assert [r["step"] for r in rows(out) if "tied_pairs" in r] == [1, 2, 3]
 
 
-def test_two_grpo_bad_input_and_help(tmp_path):
-    result = run(["--resample", "--resample_cap", "0", "--out", str(tmp_path / "x")], script="two_grpo.py")
+def test_two_grpo_bad_input_and_help(tmp_path, main_of):
+    result = main_of("two_grpo", ["--resample", "--resample_cap", "0", "--out", str(tmp_path / "x")])
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and "--resample_cap must be at least 1" in lines[0]
     assert not (tmp_path / "x").exists()
-    result = run(["--help"], script="two_grpo.py")
+    result = main_of("two_grpo", ["--help"])
     import two_grpo
     from dataclasses import fields
     for f in fields(two_grpo.Args):

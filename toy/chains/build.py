@@ -196,9 +196,8 @@ def warm_start(model, tokenizer, rows, steps, batch, lr, seed, log_every=100):
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             samples.append(Sample(prompts[k], ids))
         n_tokens = sum(len(s.completion_ids) for s in samples)
-        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
         total = 0.0
-        for mb in pack_microbatches(lengths, 4096):
+        for mb in pack_microbatches(samples, 4096):
             logp = packed_logprobs(model, [samples[i] for i in mb], 1.0, len(tokenizer), 1024)
             loss = -logp.sum() / n_tokens
             loss.backward()
