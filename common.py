@@ -9,8 +9,7 @@ Part I, one training step in order (the maths: docs/grpo.md)
   5. loss        token_coefficients(), token_loss(): the clipped surrogate and the k3 KL
   6. update      policy_update(): one optimiser step over packed micro-batches
   7. rollout     VLLMEngine (vLLM in this process, weight push), HFEngine (transformers generate)
-Part II, the run: 8. models, 9. flags (parse_args), 10. data (DATASETS, load_dataset), 11. setup(),
-12. the run folder (checkpoint-<step>/, metrics.jsonl, finish_step, PhaseTimer, metrics.png)
+Part II, the run: 8. models, 9. flags, 10. data (train, validation, test), 11. setup(), 12. the run folder
 """
 import argparse
 import collections
@@ -34,8 +33,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 import transformers
-from transformers import (AttentionInterface, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
-                          HfArgumentParser)
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -182,8 +180,7 @@ def pack_microbatches(samples, token_budget, shared=False):
     for size, unit in sorted(units, key=lambda u: -u[0]):  # (a stable sort: ties keep their order)
         fit = next((b for b in bins if b[0] + size <= token_budget), None)
         if fit is None:
-            fit = [0, []]
-            bins.append(fit)
+            bins.append(fit := [0, []])
         fit[0] += size
         fit[1] += unit
     return [b[1] for b in bins]
@@ -236,9 +233,8 @@ def seq_layout(position_ids):
 
 def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
     """Once per forward: PACKED for a packed row (no mask; restarting position ids), else sdpa's."""
-    if attention_mask is None and not allow_is_causal_skip:
-        return PACKED
-    return sdpa_mask(attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    return PACKED if attention_mask is None and not allow_is_causal_skip else sdpa_mask(
+        attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None,
@@ -300,8 +296,7 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=
         return chunked_logprobs(hidden[predict], weight, targets, temperature, chunk, model.config)  # [N]
 
 
-# The passes: temperature T (softmax(z / T)), real vocabulary (LM-head rows past it: padding), tokens per micro-batch,
-# log-prob chunk, packer, a group's prompt once
+# The passes: temperature, real vocabulary (LM-head rows past it: padding), token budget, chunk, packer, shared prompt
 Passes = collections.namedtuple("Passes", "temperature vocab_size token_budget chunk pack shared",
                                 defaults=(1024, pack_microbatches, False))
 
@@ -343,9 +338,7 @@ def token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta, is_weight
     ratio = torch.exp(logp - old_logp)  # [N]; 1 in value when old_logp = logp.detach()
     unclipped = ratio * adv  # [N]
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv  # [N]
-    loss = -torch.minimum(unclipped, clipped)  # [N]
-    if is_weight is not None:  # truncated importance sampling, docs/grpo.md#eq-tis
-        loss = loss * is_weight
+    loss = -torch.minimum(unclipped, clipped) * (1.0 if is_weight is None else is_weight)  # [N]; docs/grpo.md#eq-tis
     kl = torch.zeros_like(logp)
     if beta:
         delta = ref_logp - logp
@@ -400,8 +393,7 @@ class VLLMEngine:
     def __init__(self, model_path, *, seed, max_model_len, max_num_seqs, vocab_size, model_vocab_size, stop_ids,
                  gpu_memory=0.3, cpu_kv_bytes=256 << 20, trust_remote_code=False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core
-        # a -100 logit bias on each padded embedding row past the tokenizer (processed log-probs include it)
-        self.padded_bias = {i: -100.0 for i in range(vocab_size, model_vocab_size)}
+        self.padded_bias = {i: -100.0 for i in range(vocab_size, model_vocab_size)}  # padded rows (log-probs too)
         import vllm.platforms  # (vLLM is optional: imported when it is used)
         self.cpu, self.stop_ids = vllm.platforms.current_platform.is_cpu(), stop_ids
         device_kw = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=cpu_kv_bytes) if self.cpu else \
@@ -444,8 +436,7 @@ class HFEngine:
         config = GenerationConfig(do_sample=temperature > 0, temperature=temperature or 1.0, top_p=1.0, top_k=0,
                                   min_p=0.0, repetition_penalty=1.0, max_new_tokens=max_tokens, use_cache=True,
                                   num_return_sequences=n, eos_token_id=self.stop_ids,
-                                  pad_token_id=self.tokenizer.pad_token_id,
-                                  suppress_tokens=self.suppress or None)
+                                  pad_token_id=self.tokenizer.pad_token_id, suppress_tokens=self.suppress or None)
         torch.manual_seed(seed)
         inputs = self.tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(device)
         model.eval()  # which also pauses gradient checkpointing (it would switch the KV cache off)
@@ -558,9 +549,9 @@ def check_flags(f):
     rules = [("at least 1", lambda v: v >= 1, "prompts_per_step group_size max_tokens max_prompt_len mu eval_n "
                                               "token_budget logprob_chunk save_every"),
              ("> 0", lambda v: v > 0, "lr temperature"),
-             (">= 0", lambda v: v >= 0, "eps_high beta eval_every grad_clip weight_decay adv_eps warmup_steps"),
-             ("in [0, 1)", lambda v: 0 <= v < 1, "eps_low"),
-             ("in (0, 1]", lambda v: 0 < v <= 1, "vllm_gpu_memory"),
+             (">= 0", lambda v: v >= 0, "eps_high beta eval_every grad_clip weight_decay adv_eps warmup_steps "
+                                        "time_budget"),
+             ("in [0, 1)", lambda v: 0 <= v < 1, "eps_low"), ("in (0, 1]", lambda v: 0 < v <= 1, "vllm_gpu_memory"),
              ("0 (off) or at least 1", lambda v: v == 0 or v >= 1, "tis_cap"),
              ("in [0, 2^19)", lambda v: 0 <= v < 2 ** 19, "seed"),  # rollout_seed's bit fields
              ("in [0, 2^20)", lambda v: 0 <= v < 2 ** 20, "steps")]
@@ -640,15 +631,15 @@ def read_jsonl(path):
 
 
 def load_dataset(spec, eval_n):
-    """(train, held-out) rows of a DATASETS name, a .jsonl or a folder (train.jsonl [+ test.jsonl])."""
-    entry = DATASETS.get(spec, {"path": spec})
+    """(train, validation or None, test) rows of a DATASETS name, a .jsonl, a folder (train [+ val] [+ test].jsonl)."""
+    entry, val = DATASETS.get(spec, {"path": spec}), None
     if "hub" in entry:  # HF_HUB_OFFLINE=1: from the local cache only
         import datasets
         train, test = (to_rows(datasets.load_dataset(*entry[k][:2], split=entry[k][2]), entry[k][0])
                        if k in entry else None for k in ("hub", "test"))
     elif os.path.isdir(folder := entry["path"]):
         train = read_jsonl(os.path.join(folder, "train.jsonl"))
-        test = read_jsonl(f"{folder}/test.jsonl") if os.path.exists(f"{folder}/test.jsonl") else None
+        val, test = (read_jsonl(p) if os.path.exists(p := f"{folder}/{k}.jsonl") else None for k in ("val", "test"))
     elif os.path.isfile(entry["path"]):
         train, test = read_jsonl(entry["path"]), None
     else:
@@ -657,7 +648,7 @@ def load_dataset(spec, eval_n):
         order = np.random.default_rng(0).permutation(len(train))
         k = max(1, min(eval_n, len(train) // 5))
         test, train = [train[i] for i in order[:k]], [train[i] for i in order[k:]]
-    return train, test[:eval_n]
+    return train, val and val[:eval_n], test[:eval_n]
 
 
 def format_prompt(tokenizer, question, template):
@@ -692,16 +683,17 @@ def setup(args, method, questions=None, config=None, about=""):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     transformers.set_seed(args.seed)
     try:  # a ValueError of ours names the file or flag; anything else is what a library said
-        train_rows, eval_rows = load_dataset(args.dataset, args.eval_n)
+        splits = load_dataset(args.dataset, args.eval_n)  # train, validation (or None), test
         tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-        train_rows, eval_rows = (prompt_token_ids(tokenizer, rows, args.template, args.max_prompt_len)
-                                 for rows in (train_rows, eval_rows))
+        train_rows, val_rows, test_rows = (rows and prompt_token_ids(tokenizer, rows, args.template,
+                                                                     args.max_prompt_len) for rows in splits)
         model = load_model(os.path.join(folder, "model") if folder else args.model, device, args.trust_remote_code,
                            args.attn, args.grad_ckpt)
     except Exception as e:  # (ValueError: ours, or the tokenizer's missing chat template)
         die(str(e).splitlines()[0] if type(e) is ValueError else f"--model {args.model!r}, --dataset "
             f"{args.dataset!r}{f' or --resume {folder}' if folder else ''}: {e!r:.300}")
-    if not train_rows or not eval_rows:  # a tiny dataset, or every prompt longer than --max_prompt_len
+    eval_rows = test_rows if val_rows is None else val_rows  # evaluated during training; test once, at the end
+    if not train_rows or not eval_rows or not test_rows:  # a tiny dataset, or every prompt over --max_prompt_len
         die(f"no {'training' if not train_rows else 'held-out'} prompt left (of at most --max_prompt_len tokens)")
     questions = questions or args.prompts_per_step
     steps = args.steps or math.ceil(len(train_rows) / questions)
@@ -727,15 +719,15 @@ def setup(args, method, questions=None, config=None, about=""):
                    "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
                    "ideal_trained_fraction": 1.0, **(config or {})}, f, indent=2)
     run = types.SimpleNamespace(  # plain fields, no behaviour; start and cursor > 0 on --resume
-        args=args, device=device, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows, stop_ids=stop_ids,
-        model=model, ref_model=ref_model, engine=engine, optimizer=optimizer, scheduler=scheduler, steps=steps,
-        passes=Passes(args.temperature, len(tokenizer), args.token_budget, args.logprob_chunk,
-                      shared=args.shared_prompt and args.attn == "varlen"), eval_acc=None,
-        start=state["step"], cursor=state["cursor"], state=state,
+        args=args, device=device, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows, test_rows=test_rows,
+        stop_ids=stop_ids, model=model, ref_model=ref_model, engine=engine, optimizer=optimizer, scheduler=scheduler,
+        steps=steps, passes=Passes(args.temperature, len(tokenizer), args.token_budget, args.logprob_chunk,
+                                   shared=args.shared_prompt and args.attn == "varlen"), eval_acc=None, test_acc=None,
+        start=state["step"], cursor=state["cursor"], state=state, train_s=state.get("train_s", 0.0),
         metrics=open_metrics(args.out, state["step"] if folder else None))
     print(f"{method}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "
-          f"{type(engine).__name__}, {len(train_rows)} train / {len(eval_rows)} eval prompts, {steps} steps of "
-          f"{questions} x {args.group_size}{about}, output {args.out}")
+          f"{type(engine).__name__}, {len(train_rows)} train / {len(eval_rows)} validation / {len(test_rows)} test "
+          f"prompts, {steps} steps of {questions} x {args.group_size}{about}, output {args.out}")
     if run.start >= steps:
         print(f"nothing to do: {args.out} already finished {run.start} of {steps} steps (--steps)")
         raise SystemExit(0)
@@ -809,18 +801,26 @@ def batch_metrics(rewards, samples, stop_ids, reward_counts):
 
 
 def finish_step(run, bar, row, cursor, extra_state=None):
-    """After a step: evaluation, the metrics row, the bar, a checkpoint (+ `extra_state`), the plot."""
+    """After a step: validation accuracy, the metrics row, the bar, a checkpoint (+ `extra_state`), the plot. True
+    at the end (the last step, or the first whose summed step times reach --time_budget): test accuracy, once."""
     args, done = run.args, row["step"]
     row["tokens_per_s"] = row["tokens"] / row["step_s"]
+    run.train_s += row["step_s"]
+    run.steps = done if args.time_budget and run.train_s >= args.time_budget else run.steps
     if (args.eval_every and done % args.eval_every == 0) or done == run.steps:
         run.eval_acc = row["eval_accuracy"] = evaluate(run.engine, run.tokenizer, run.eval_rows, args.max_tokens,
                                                        args.seed)
+    if done == run.steps:
+        run.test_acc = row["test_accuracy"] = run.eval_acc if run.test_rows is run.eval_rows else evaluate(
+            run.engine, run.tokenizer, run.test_rows, args.max_tokens, args.seed)
     log_row(run.metrics, row)
     acc = "-" if run.eval_acc is None else f"{run.eval_acc:.3f}"
     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc, tok_s=f"{row['tokens_per_s']:.0f}")
     if done % args.save_every == 0 or done == run.steps:
-        save_checkpoint(args.out, run.model, run.tokenizer, run.optimizer, run.scheduler, done, cursor, extra_state)
+        save_checkpoint(args.out, run.model, run.tokenizer, run.optimizer, run.scheduler, done, cursor,
+                        {**(extra_state or {}), "train_s": run.train_s})
         plot_metrics(args.out)
+    return done == run.steps
 
 
 class PhaseTimer:

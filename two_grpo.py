@@ -87,10 +87,12 @@ class Args:
     shared_prompt: bool = arg(True, "each prompt once before its completions in a packed row (varlen "
                                     "only: sdpa, eager, flash_attention_2 repeat it per completion)")
     # evaluation and checkpoints
-    eval_every: int = recipe_arg("eval_every", "greedy held-out accuracy every N steps (0: start "
-                                               "and end only)")
-    eval_n: int = recipe_arg("eval_n", "held-out problems per evaluation")
+    eval_every: int = recipe_arg("eval_every", "greedy validation accuracy every N steps (0: start "
+                                               "and end only); test accuracy once, at the end")
+    eval_n: int = recipe_arg("eval_n", "validation and test problems per evaluation (the dataset's "
+                                       "val.jsonl; without one, test.jsonl serves both)")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
+    time_budget: float = arg(0.0, "end the run once its summed step times reach this many seconds (0: off)")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
                                          "packing needs it to honour position ids)")
 
@@ -234,10 +236,11 @@ def main():
             "lr": run.scheduler.get_last_lr()[0],
             **timer.seconds(),
         }
-        finish_step(run, bar, row, cursor)  # evaluate, log, checkpoint when due
+        if finish_step(run, bar, row, cursor):  # evaluate, log, checkpoint; True at the end
+            break
     bar.close()
-    print(f"done: eval accuracy {run.eval_acc:.3f} after {run.steps} steps; metrics, plot and "
-          f"checkpoint in {args.out}")
+    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) after {run.steps} steps; "
+          f"metrics, plot and checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bench import padded_update, synthetic_samples
 from common import Passes, policy_update
 from conftest import RecordingOptimizer, assert_grads_close
@@ -28,13 +30,13 @@ def test_padded_update_has_the_packed_gradient(tiny):
 
 def test_bench_step_part_runs_on_the_toy_shape(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--parts", "step", "--shape", "toy",
-                             "--lengths", "toy", "--dense", "--sequences", "16", "--budgets", "128", "--repeats", "1",
+                             "--lengths", "toy", "--sequences", "16", "--budgets", "128", "--repeats", "1",
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     table = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| toy (")]
-    assert [row[1] for row in table] == ["padded", "packed", "shared prompt", "packed, dense mask"]
+    assert [row[1] for row in table] == ["padded", "packed", "shared prompt"]
     assert table[0][6] == "-" and table[1][6].endswith("x padded") and table[2][6].endswith("x packed")
-    assert table[0][7] == "-" and table[1][7] == table[3][7] != "-"  # the bound is the packing's, not the kernel's
+    assert table[0][7] == "-" and table[1][7] != "-"  # the bound of packing
     # 16 completions, 8 per prompt (two groups of ~91 tokens, each within the budget): each prompt once, not 8 times
     samples = synthetic_samples(16, "toy", 100, 8)  # the same lengths (the vocabulary only changes the ids)
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
@@ -42,7 +44,7 @@ def test_bench_step_part_runs_on_the_toy_shape(tmp_path):
     assert table[0][0] == f"| toy ({tokens - sum(len(s.prompt_ids) for s in samples):,} of {tokens:,} tokens)"
     assert table[2][7] == f"{tokens / (tokens - saved):.2f}x tokens"
     report = (tmp_path / "results.md").read_text()
-    assert "## 1. The training update" in report and "## 2." not in report and (tmp_path / "results" / "step.png").exists()
+    assert "## 1. The training update" in report and "## 2." not in report
 
 
 def test_chains_length_mix_is_what_its_model_samples():
@@ -58,7 +60,7 @@ def test_chains_length_mix_is_what_its_model_samples():
     completions = [c for _, c in lengths]
     assert min(completions) >= 1 and max(completions) <= DATASETS["chains"]["max_tokens"]
     assert max(completions) - min(completions) >= 40  # varied, unlike the toy's ~9 tokens
-    train, _ = load_dataset("chains", 1)
+    train, _, _ = load_dataset("chains", 1)
     tokenizer = load_tokenizer(DATASETS["chains"]["model"])
     prompts = {len(r["prompt_ids"]) for r in prompt_token_ids(tokenizer, train, "plain", 512)}
     assert {p for p, _ in lengths} <= prompts
@@ -135,7 +137,7 @@ def test_breakdown_flags_sample_the_same_rollouts():
 
 
 def test_curve_and_first_reaching():
-    from bench import curve, first_reaching, spread
+    from bench import curve, first_reaching
     rows = [{"step": 0, "eval_accuracy": 0.6}, {"step": 1, "step_s": 2.0, "rollouts": 10},
             {"step": 2, "step_s": 3.0, "rollouts": 10, "eval_accuracy": 0.9},
             {"step": 3, "step_s": 1.0, "rollouts": 30, "eval_accuracy": 0.85}]
@@ -144,8 +146,41 @@ def test_curve_and_first_reaching():
     assert first_reaching(points, 0.9) == (2, 0.9, 5.0, 20.0)
     assert first_reaching(points, 0.6) == (0, 0.6, 0.0, 0.0)
     assert first_reaching(points, 0.95) is None
-    assert spread([1.0, 2.0, 6.0], ".1f") == "3.0 [1.0–6.0]" and spread([2.0], ".0f") == "2" and spread([], ".0f") == "-"
-    assert spread([10240, 10240], ",.0f") == "10,240"  # seeds that agree: one value
+
+
+def test_the_decision_rule_by_hand():
+    """paired(): the mean of the per-seed differences and the 5th-95th percentiles of its bootstrap means; verdict()
+    names a direction only with >= 6 paired seeds and an interval that excludes 0."""
+    from bench import MIN_SEEDS, paired, verdict
+    diff, low, high, n = paired({0: 0.9, 1: 0.8, 7: 0.5}, {0: 0.85, 1: 0.9})  # seed 7 has no partner
+    # two differences, +0.05 and -0.10: a resample's mean is +0.05, -0.025 or -0.10 with chance 1/4, 1/2, 1/4
+    assert n == 2 and diff == pytest.approx(-0.025) and (low, high) == (pytest.approx(-0.1), pytest.approx(0.05))
+    assert verdict((diff, low, high, n), "more accurate", "less accurate", ".3f") == \
+        "-0.025 [-0.100, +0.050]: not distinguishable at 2 seeds"
+    up = {s: 0.01 * (s + 1) for s in range(MIN_SEEDS)}  # every seed's difference > 0
+    stat = paired(up, {s: 0.0 for s in range(MIN_SEEDS)})
+    assert stat[0] == pytest.approx(0.035) and stat[1] > 0
+    assert verdict(stat, "faster", "slower", ".2f").endswith(": faster")
+    assert verdict(paired({s: -v for s, v in up.items()}, {s: 0.0 for s in up}), "up", "down", ".2f").endswith(": down")
+    five = paired({s: up[s] for s in range(5)}, {s: 0.0 for s in range(5)})
+    assert five[1] > 0 and verdict(five, "up", "down", ".2f").endswith("not distinguishable at 5 seeds")
+    mixed = paired({s: (-1) ** s * 0.1 for s in range(MIN_SEEDS)}, {s: 0.0 for s in range(MIN_SEEDS)})
+    assert mixed[1] < 0 < mixed[2] and "not distinguishable at 6 seeds" in verdict(mixed, "up", "down", ".2f")
+    assert verdict(paired({0: 1.0}, {1: 1.0}), "up", "down", ".2f") == "-"  # no seed in common
+
+
+def test_a_kept_summary_with_the_same_flags_is_not_run_again(tmp_path):
+    from bench import run_script, script_flags
+    args = argparse.Namespace(rollout="auto", model=None, eval_every=None, learn_steps=None, eval_n=None)
+    flags = script_flags(args, "budget", "chains", "dppo", 1, 201, True)
+    learning = ["--dataset", "chains", "--rollout", "auto", "--seed", "1"]
+    assert flags == learning + ["--time_budget", "201", "--steps", "1000"]
+    assert script_flags(args, "budget", "chains", "cppo", 1, 201, False)[-2:] == ["--time_budget", "201"]
+    assert script_flags(args, "learning", "chains", "cppo", 1) == learning
+    kept = {"budget dppo 1": {"flags": flags, "test": 0.5}}
+    assert run_script(args, str(tmp_path), ("budget", "chains", "dppo", 1), flags, kept) == {**kept["budget dppo 1"],
+                                                                                           "kept": True}
+    assert not os.listdir(tmp_path)  # nothing ran
 
 
 def test_bench_refuses_impossible_flags_before_any_work(tmp_path, main_of):
@@ -166,67 +201,63 @@ def test_bench_quick_writes_the_report(tiny_dir, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--quick", "--shape", tiny_dir,
                              "--sequences", "16", "--budgets", "256", "--breakdown_steps", "2", "--learn_steps", "2",
-                             "--eval_every", "1", "--eval_n", "8", "--rollout", "hf", "--datasets", "toy",
-                             "--out", str(out)],
+                             "--eval_every", "1", "--eval_n", "8", "--rollout", "hf", "--out", str(out)],
                             capture_output=True, text=True, timeout=900, cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     text = (out / "results.md").read_text()
-    for name in ["step.png", "breakdown-toy.png", "learning-toy.png"]:
-        assert (out / "results" / name).read_bytes()[:4] == b"\x89PNG"
-        assert f"(results/{name})" in text
-    assert "HFEngine" in text and "python bench.py --quick" in text
+    assert (out / "results" / "learning-toy.png").read_bytes()[:4] == b"\x89PNG"
+    assert "(results/learning-toy.png)" in text
+    assert "HFEngine" in text and "python bench.py --quick" in text and "chains" not in text  # --quick: the toy only
     tables = [line for line in text.splitlines() if line.startswith("| ")]
     for method in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
-        assert sum(line.startswith(f"| {method} |") for line in tables) == 3, method  # seconds, ratios, learning
+        assert sum(line.startswith(f"| {method} | final test accuracy | ") for line in tables) == 1, method
     assert "| grpo | 1.00 (1) | 1.00 (1) | 1.00 (1) | 1.00 (1) | 0.0% | 1.00 (1.00) |" in tables
     cppo = next(line for line in tables if line.startswith("| cppo | 256 → "))
     assert cppo.startswith("| cppo | 256 → 32 |")  # 16 questions x 16 sampled, 1 - P = 1/8 trained
+    verdicts = [line for line in tables if line.startswith("| dppo | ") and "not distinguishable at 1 seeds" in line]
+    assert len(verdicts) == 1 and "equal-budget" not in result.stderr  # --quick: no budget runs
+    kept = json.loads((out / "results" / "runs-toy.json").read_text())
+    assert {"breakdown grpo 0", "learning grpo 0", "learning mmr_grpo 0"} <= set(kept)
+    assert kept["learning grpo 0"]["flags"][-2:] == ["--eval_n", "8"]
     assert not [p for p in os.listdir(out) if p.startswith(".bench-")]  # no staging left behind
-    assert "chains" not in text and "by chain length" not in text  # the toy rows carry no chain length
 
 
-def test_bench_learning_on_chains_reports_accuracy_by_chain_length(tmp_path):
-    """The chains task adds a table of greedy accuracy per chain length, initial policy against each
-    method's final policy, read back from the runs' checkpoints."""
+def test_bench_learning_on_chains_runs_the_budget_runs_and_reuses_finished_ones(tmp_path):
+    """Learning on chains: each default run, then the equal-budget runs; a second bench over the kept run folders reads
+    the finished runs instead of running them again; a run without the finished mark is deleted and run again."""
     out = tmp_path / "out"
     runs = tmp_path / "runs"
     command = [sys.executable, os.path.join(REPO, "bench.py"), "--parts", "learning", "--datasets", "chains",
-               "--methods", "grpo", "--seeds", "0", "--learn_steps", "1", "--eval_every", "1", "--eval_n", "12",
-               "--rollout", "hf", "--out", str(out), "--runs", str(runs)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+               "--methods", "grpo", "dppo", "--seeds", "0", "--learn_steps", "1", "--eval_n", "6",
+               "--rollout", "hf", "--budget_s", "1e-9", "--out", str(out), "--runs", str(runs)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     text = (out / "results.md").read_text()
-    # a second bench over the kept run folders reads the finished run instead of running it again
+    budget = runs / "chains-budget-dppo-0"
+    assert json.loads((budget / "bench_flags.json").read_text())[-4:] == ["--time_budget", "1e-09", "--steps", "1000"]
+    logged = [json.loads(line) for line in (budget / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [0, 1] and "test_accuracy" in logged[-1]  # ended by the budget at step 1
+    kept = json.loads((out / "results" / "runs-chains.json").read_text())
+    assert kept["budget dppo 0"]["test"] == logged[-1]["test_accuracy"] and not (runs / "chains-budget-grpo-0").exists()
+    grpo = [json.loads(line) for line in (runs / "chains-learning-grpo-0" / "metrics.jsonl").read_text().splitlines()]
+    assert f"| grpo | final test accuracy | {grpo[-1]['test_accuracy']:.3f} | " in text
+    assert f"| grpo | test accuracy at 1e-09 s | {grpo[-1]['test_accuracy']:.3f} | " in text  # GRPO: its default run
+    assert "6 validation / 6 test prompts" in (runs / "chains-learning-grpo-0.log").read_text()
     log = runs / "chains-learning-grpo-0.log"
     stamp = log.stat().st_mtime_ns
     (out / "results.md").unlink()
-    again = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    again = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert log.stat().st_mtime_ns == stamp
-    assert [line for line in (out / "results.md").read_text().splitlines() if line.startswith("| grpo |")] == \
-        [line for line in text.splitlines() if line.startswith("| grpo |")]
-    # a run without the bench's finished mark (cut short) is deleted and run again: the script refuses a used folder
+    def rows(report):
+        return [line for line in report.splitlines() if line.startswith(("| grpo |", "| dppo |"))]
+    assert rows((out / "results.md").read_text()) == rows(text)
     (runs / "chains-learning-grpo-0" / "bench_flags.json").unlink()
-    again = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    again = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert log.stat().st_mtime_ns != stamp and (runs / "chains-learning-grpo-0" / "bench_flags.json").exists()
-    assert "checkpoint-1" in os.listdir(runs / "chains-learning-grpo-0")
-    # the by-length table generates on its own (transformers): its "all" column is the script's greedy evaluation
-    logged = [json.loads(line) for line in (runs / "chains-learning-grpo-0" / "metrics.jsonl").read_text().splitlines()]
-    report = (out / "results.md").read_text()
-    by_length = report[report.index("| policy | n = "):].split("\n\n")[0].splitlines()[2:]  # its rows
-    table = {line.split(" | ")[0][2:]: float(line.split(" | ")[-1][:-2]) for line in by_length}
-    assert abs(table["initial policy"] - logged[0]["eval_accuracy"]) < 1e-3
-    assert abs(table["grpo"] - logged[-1]["eval_accuracy"]) < 1e-3
-    assert "## 1. `chains`: learning, side by side" in text and "## 2. `chains`: accuracy by chain length" in text
-    assert (out / "results" / "bylength-chains.png").read_bytes()[:4] == b"\x89PNG"
-    rows = [line for line in text.splitlines() if line.startswith(("| initial policy |", "| grpo |"))]
-    assert len(rows) == 3  # learning: grpo; by length: the initial policy and grpo
-    assert "12 held-out problems" in text
 
 
 def test_only_the_full_run_writes_into_docs(monkeypatch):

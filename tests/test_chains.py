@@ -16,8 +16,8 @@ import torch
 
 from common import load_tokenizer, math_reward
 from common import DATASETS, parse_args, setup
-from toy.chains.build import (DROP_CARRY, LENGTHS, REVERSED, add, make_splits, teacher,
-                              teacher_accuracy, warm_problems, write_jsonl)
+from toy.chains.build import (DROP_CARRY, LENGTHS, PER_LENGTH, REVERSED, add, all_splits, make_splits,
+                              teacher, teacher_accuracy, warm_problems, write_jsonl)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAINS = os.path.join(REPO, "toy", "chains")
@@ -40,20 +40,31 @@ class Fixed:
 
 
 def test_data_is_reproduced_by_the_build_script(tmp_path):
-    train, test = make_splits()
-    write_jsonl(tmp_path / "train.jsonl", train)
-    write_jsonl(tmp_path / "test.jsonl", test)
-    for name in ("train.jsonl", "test.jsonl"):
-        assert (tmp_path / name).read_text() == open(os.path.join(CHAINS, "data", name)).read()
+    train, val, test, _ = all_splits()
+    for name, rows in (("train", train), ("val", val), ("test", test)):
+        write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        assert (tmp_path / f"{name}.jsonl").read_text() == open(os.path.join(CHAINS, "data", f"{name}.jsonl")).read()
+    assert train == make_splits()[0]  # the training problems of the first draw, unchanged
 
 
-def test_splits_are_disjoint_and_every_chain_length_is_there():
-    train, test = committed("train"), committed("test")
-    keys = [tuple(r["numbers"]) for r in train + test]
-    assert len(set(keys)) == len(keys) == 512 + 300
-    warm = warm_problems(make_splits()[0] + make_splits()[1], seed=0, n=2000)
-    assert not {tuple(r["numbers"]) for r in warm} & set(keys)  # the warm start never sees them
-    for rows in (train, test):
+def test_splits_are_disjoint_as_multisets_and_balanced_over_chain_lengths():
+    """Validation and test share no multiset of numbers with each other, with a training problem or with any of the
+    50,000 warm-start problems (the warm start also adds the numbers from the last one back, so an order it has seen
+    is not new); each holds every chain length equally often, so two-number sums are 1/6 of it."""
+    train, val, test = committed("train"), committed("val"), committed("test")
+    first = make_splits()
+    warm = {tuple(sorted(r["numbers"])) for r in warm_problems(first[0] + first[1], seed=0, n=50000)}
+    seen = warm | {tuple(sorted(r["numbers"])) for r in train}
+    val_keys, test_keys = ([tuple(sorted(r["numbers"])) for r in rows] for rows in (val, test))
+    assert len(set(val_keys)) == len(val_keys) == 6 * PER_LENGTH["val"] == 150
+    assert len(set(test_keys)) == len(test_keys) == 6 * PER_LENGTH["test"] == 300
+    assert not set(val_keys) & set(test_keys) and not (set(val_keys) | set(test_keys)) & seen
+    for rows in (val, test):
+        counts = collections.Counter(len(r["numbers"]) for r in rows)
+        assert set(counts) == set(LENGTHS) and len(set(counts.values())) == 1 and counts[2] / len(rows) <= 1 / 6
+        assert len({len(r["numbers"]) for r in rows[:len(rows) // 3]}) == len(LENGTHS)  # shuffled: --eval_n mixes
+    assert len({tuple(r["numbers"]) for r in train}) == len(train) == 512
+    for rows in (train, val, test):
         assert {len(r["numbers"]) for r in rows} == set(LENGTHS)
         for r in rows:  # the gold is the sum, every number is two-digit and in the question
             assert r["answer"] == str(sum(r["numbers"])) and all(10 <= x <= 99 for x in r["numbers"])
@@ -175,7 +186,8 @@ def test_a_few_steps_of_grpo_on_chains_end_to_end(tmp_path):
     assert config["args"]["model"] == MODEL and config["args"]["lr"] == DATASETS["chains"]["lr"]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["rollouts"] == 16
-    assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[-1]
+    assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[-1] and "test_accuracy" in rows[-1]
+    assert "test_accuracy" not in rows[0] and "8 validation / 8 test prompts" in result.stdout
 
 
 def test_recipe_and_missing_files(tmp_path, monkeypatch, capsys):

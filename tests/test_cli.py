@@ -136,6 +136,7 @@ def test_toy_end_to_end_then_resume_after_a_kill(tmp_path):
     train = [r["step"] for r in logged if "reward_mean" in r]
     evals = [r["step"] for r in logged if "eval_accuracy" in r]
     assert train == [1, 2, 3, 4, 5] and evals == [0, 2, 4, 5]
+    assert [r["step"] for r in logged if "test_accuracy" in r] == [5]  # once, at the end
     needed = {"step", "reward_mean", "loss", "rollout_s", "update_s", "kl", "grad_norm", "tokens_per_s", "truncated",
               "zero_std_groups", "verify_timeouts", "step_s"}
     assert needed <= set(logged[1]) and all(0 <= r["reward_mean"] <= 1 for r in logged if "reward_mean" in r)
@@ -152,13 +153,20 @@ def test_toy_end_to_end_then_resume_after_a_kill(tmp_path):
     assert "nothing to do" in run(["--resume", out]).stdout
 
 
-def test_hf_rollout_fallback_runs(tmp_path):
+def test_hf_rollout_fallback_runs_and_a_time_budget_ends_the_run(tmp_path):
+    """--time_budget: the first step whose summed step times reach it is the last (validation, test, checkpoint)."""
     out = str(tmp_path / "hf")
-    result = run(SMALL + ["--rollout", "hf", "--steps", "2", "--eval_every", "0", "--out", out])
+    result = run(SMALL + ["--rollout", "hf", "--steps", "4", "--eval_every", "0", "--time_budget", "1e-9",
+                          "--out", out])
     assert result.returncode == 0, result.stderr[-3000:]
     logged = rows(out)
-    assert [r["step"] for r in logged] == [0, 1, 2] and "mismatch_logp" not in logged[1]
+    assert [r["step"] for r in logged] == [0, 1] and "mismatch_logp" not in logged[1]
+    assert "eval_accuracy" in logged[1] and logged[1]["test_accuracy"] == logged[1]["eval_accuracy"]  # toy: no val
     assert json.load(open(os.path.join(out, "config.json")))["engine"] == "HFEngine"
+    assert checkpoints(out) == [os.path.join(out, "checkpoint-1")] and "after 1 steps" in result.stdout
+    import torch
+    state = torch.load(os.path.join(out, "checkpoint-1", "state.pt"), weights_only=True)
+    assert state["train_s"] == pytest.approx(logged[1]["step_s"], rel=1e-4)  # the budget's clock, for --resume
 
 
 def test_hub_ids_fail_fast_without_network(tmp_path):
@@ -187,7 +195,7 @@ def test_resume_refuses_a_tampered_state_file(one_step_run, tmp_path, main_of):
     shutil.copytree(one_step_run, out)
     import torch
     state = torch.load(out / "checkpoint-1" / "state.pt", weights_only=True)  # what the code wrote loads safely
-    assert state["step"] == 1 and set(state) == {"step", "cursor", "optimizer", "scheduler"}
+    assert state["step"] == 1 and set(state) == {"step", "cursor", "optimizer", "scheduler", "train_s"}
 
     class Payload:
         def __reduce__(self):

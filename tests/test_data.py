@@ -17,22 +17,35 @@ def write(path, lines):
 
 
 def test_toy_dataset_has_train_and_test_splits():
-    train, test = load_dataset("toy", eval_n=50)
-    assert len(train) == 1920 and len(test) == 50
+    train, val, test = load_dataset("toy", eval_n=50)
+    assert len(train) == 1920 and len(test) == 50 and val is None  # no val.jsonl: test serves during training
     assert train[0].keys() == {"question", "gold"} and train[0]["gold"].isdigit()
 
 
 def test_single_file_holds_out_a_fixed_eval_split(tmp_path):
     path = write(tmp_path / "d.jsonl", [json.dumps({"problem": f"p{i}", "answer": str(i)}) for i in range(50)])
-    train, test = load_dataset(path, eval_n=100)
-    assert len(test) == 10 and len(train) == 40  # at most a fifth is held out
+    train, val, test = load_dataset(path, eval_n=100)
+    assert len(test) == 10 and len(train) == 40 and val is None  # at most a fifth is held out
     assert not {r["question"] for r in test} & {r["question"] for r in train}
-    assert test == load_dataset(path, eval_n=100)[1]  # the same rows every time
+    assert test == load_dataset(path, eval_n=100)[2]  # the same rows every time
+
+
+def test_a_folder_with_a_validation_split(tmp_path):
+    """val.jsonl is evaluated during training, test.jsonl once at the end; each is cut to eval_n rows."""
+    rows = [json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(30)]
+    for name, part in (("train", rows[:10]), ("val", rows[10:20]), ("test", rows[20:])):
+        write(tmp_path / f"{name}.jsonl", part)
+    train, val, test = load_dataset(str(tmp_path), eval_n=4)
+    assert [r["gold"] for r in train] == [str(i) for i in range(10)]
+    assert [r["gold"] for r in val] == ["10", "11", "12", "13"]
+    assert [r["gold"] for r in test] == ["20", "21", "22", "23"]
+    train, val, test = load_dataset("chains", eval_n=1000)
+    assert (len(train), len(val), len(test)) == (512, 150, 300)
 
 
 def test_gsm8k_style_rows(tmp_path):
     path = write(tmp_path / "g.jsonl", [json.dumps({"question": "q", "answer": "work\n#### 1,234"})] * 3)
-    train, test = load_dataset(path, eval_n=1)
+    train, _, test = load_dataset(path, eval_n=1)
     assert train[0]["gold"] == "1234"
 
 

@@ -9,6 +9,7 @@ when a number or its arithmetic drifts, not when the prose around it is reworded
 (timings, accuracies) are not recomputed, only what the docs derive from them. CPU, < 1 s.
 """
 import functools
+import json
 import math
 import os
 import re
@@ -461,3 +462,139 @@ def test_mmr_batch_sizes_and_toy_arithmetic():
     printed("mmr_grpo.md", "+@ points. The run is deterministic", (0.990 - 0.595) * 100)
     printed("mmr_grpo.md", "**0.088–0.170 (@)** | 1.22–2.05 (1.33) | 1.73–2.94 (@) |", 0.099, 1.96)
     printed("mmr_grpo.md", "so **MMR costs ≈ @% of a toy step**", 100 * 0.099 / 1.96)
+
+
+# ------------------------------------------------------------------------------------ the chains runs
+# docs/results/runs-chains.json keeps a summary of every chains run bench.py made (its flags; its validation curve as
+# (step, accuracy, training s so far, rollouts so far) at each evaluation; its test accuracy at the end). What the
+# pages say about the runs is recomputed from it here, with this file's own arithmetic, not bench.py's.
+
+TARGET, BUDGET, LEAST_SEEDS = 0.85, 201, 6
+METHODS = ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]
+
+
+@functools.lru_cache(maxsize=None)
+def kept_runs():
+    with open(os.path.join(REPO, "docs", "results", "runs-chains.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def seeds():
+    """The seeds every method ran (GRPO has more: the budget was set from its first three)."""
+    return sorted(int(key.split()[2]) for key in kept_runs() if key.startswith("learning cppo "))
+
+
+def chains_metrics(method):
+    """{metric: {seed: value}} of a method's chains runs, as the pages name the metrics."""
+    runs = {s: kept_runs()[f"learning {method} {s}"] for s in seeds()}
+    reached = {s: next((p for p in run["curve"] if p[1] >= TARGET), None) for s, run in runs.items()}
+    budget = {s: (runs[s] if method == "grpo" else kept_runs()[f"budget {method} {s}"])["test"] for s in seeds()}
+    return {"final test accuracy": {s: run["test"] for s, run in runs.items()},
+            "best validation accuracy": {s: max(p[1] for p in run["curve"]) for s, run in runs.items()},
+            f"steps to {TARGET}": {s: p[0] for s, p in reached.items() if p},
+            f"training s to {TARGET}": {s: p[2] for s, p in reached.items() if p},
+            "training s, whole run": {s: run["curve"][-1][2] for s, run in runs.items()},
+            f"test accuracy at {BUDGET} s": budget}
+
+
+def against_grpo(values, base):
+    """The decision rule: mean difference over the paired seeds, 5th and 95th percentiles of 10,000 bootstrap means
+    (numpy seed 0), the number of pairs, and the word: a direction only at >= 6 pairs with 0 outside the interval."""
+    pairs = sorted(set(values) & set(base))
+    d = np.array([values[s] - base[s] for s in pairs])
+    boot = np.random.default_rng(0).choice(d, (10000, len(d))).mean(axis=1)
+    low, high = np.percentile(boot, 5), np.percentile(boot, 95)
+    sure = len(d) >= LEAST_SEEDS and (low > 0 or high < 0)
+    return d.mean(), low, high, len(d), sure
+
+
+def test_chains_runs_are_complete_and_each_ran_its_default_command():
+    runs = kept_runs()
+    assert seeds() and all(f"learning {m} {s}" in runs for m in METHODS for s in seeds())
+    for m in METHODS:
+        for s in seeds():
+            run = runs[f"learning {m} {s}"]
+            assert run["flags"] == ["--dataset", "chains", "--rollout", "auto", "--seed", str(s)], (m, s)
+            assert run["engine"] == "VLLMEngine" and 0 <= run["test"] <= 1 and run["curve"][0][0] == 0
+            if m != "grpo":
+                budget = runs[f"budget {m} {s}"]
+                assert budget["flags"][:6] == run["flags"] and budget["flags"][6:8] == ["--time_budget", str(BUDGET)]
+                assert budget["curve"][-1][2] >= BUDGET > budget["curve"][-1][2] - 30  # ended by the budget
+    assert len(seeds()) >= 2 and [f"learning grpo {s}" in runs for s in range(3)] == [True] * 3
+
+
+def test_results_md_prints_every_seed_and_the_rule():
+    for m in METHODS:
+        for name, values in chains_metrics(m).items():
+            if not values:
+                continue
+            cells = " | ".join("@" if s in values else "" for s in seeds())
+            printed("results.md", f"| {m} | {name} | {cells} | @ (@ seeds) |",
+                    *(values[s] for s in seeds() if s in values), float(np.mean(list(values.values()))), len(values))
+    grpo = chains_metrics("grpo")
+    for m in METHODS[1:]:
+        mine = chains_metrics(m)
+        for name in ["final test accuracy", f"steps to {TARGET}", f"training s to {TARGET}",
+                     f"test accuracy at {BUDGET} s"]:
+            diff, low, high, n, sure = against_grpo(mine[name], grpo[name])
+            assert not sure or n >= LEAST_SEEDS
+            words = "" if sure else f": not distinguishable at {n} seeds"
+            printed("results.md", f"| {m} | " * (name == "final test accuracy") + f"@ [@, @]{words}", diff, low, high)
+
+
+def test_method_pages_print_their_chains_table():
+    """Each method page's #chains table: mean (seed by seed) for the method and for GRPO, and the difference with its
+    90 % interval and the rule's word, for the four metrics the rule compares."""
+    grpo = chains_metrics("grpo")
+    for m in METHODS[1:]:
+        mine = chains_metrics(m)
+        for name in ["final test accuracy", f"steps to {TARGET}", f"training s to {TARGET}",
+                     f"test accuracy at {BUDGET} s"]:
+            cells, values = [], []
+            for table in (mine[name], grpo[name]):
+                cells.append("@ (" + " / ".join("@" if s in table else "–" for s in seeds()) + ")")
+                values += [float(np.mean(list(table.values()))), *(table[s] for s in seeds() if s in table)]
+            diff, low, high, n, sure = against_grpo(mine[name], grpo[name])
+            words = "" if sure else f": not distinguishable at {n} seeds"
+            printed(f"{m}.md", f"| {name} | {cells[0]} | {cells[1]} | @ [@, @]{words} |", *values, diff, low, high)
+
+
+def test_readme_which_method_when_quotes_the_same_means():
+    def mean(method, name):
+        values = chains_metrics(method)[name]
+        return float(np.mean(list(values.values())))
+    final, steps, secs, budget = "final test accuracy", f"steps to {TARGET}", f"training s to {TARGET}", \
+        f"test accuracy at {BUDGET} s"
+    readme = "../README.md"
+    printed(readme, "GRPO on chains: final test accuracy @, 0.85 on the validation split after @ steps and @ s of "
+            "training", mean("grpo", final), mean("grpo", steps), mean("grpo", secs))
+    printed(readme, "it reached 0.85 after @ steps and @ s, ended at a test accuracy of @, and scored @ at 201 s "
+            "(GRPO @)", *(mean("cppo", k) for k in (steps, secs, final, budget)), mean("grpo", budget))
+    printed(readme, "On chains it reached 0.85 after @ s, ended at @ and scored @ at 201 s",
+            *(mean("two_grpo", k) for k in (secs, final, budget)))
+    printed(readme, "It reached 0.85 after @ s, ended at @ and scored @ at 201 s",
+            *(mean("dppo", k) for k in (secs, final, budget)))
+    printed(readme, "reached 0.85 after @ steps and @ s, ended at @ and scored @ at 201 s",
+            *(mean("mmr_grpo", k) for k in (steps, secs, final, budget)))
+    assert f"*not distinguishable at {len(seeds())} seeds*" in doc("../README.md")
+    printed(readme, "Its two paired seeds ended at @ and @ and its third, unpaired, at @",
+            *(kept_runs()[f"learning grpo {s}"]["test"] for s in range(3)))
+
+
+def test_grpo_md_quotes_grpos_chains_runs():
+    grpo = [kept_runs()[f"learning grpo {s}"] for s in range(3)]
+    printed("grpo.md", "and @, @ and @ at step 80; test accuracy at the end @, @ and @; @, @ and @ s of training steps",
+            *(r["curve"][-1][1] for r in grpo), *(r["test"] for r in grpo), *(round(r["curve"][-1][2]) for r in grpo))
+    assert all(r["curve"][0][1] == grpo[0]["curve"][0][1] for r in grpo)
+    printed("grpo.md", "validation accuracy @ at step 0 in every seed", grpo[0]["curve"][0][1])
+    printed("grpo.md", "seed 1's validation went @ → @ → @ → @ → @ over steps 40–80",
+            *(p[1] for p in grpo[1]["curve"] if p[0] >= 40))
+
+
+def test_readme_chains_table_is_grpos_runs():
+    for s in range(3):
+        run = kept_runs()[f"learning grpo {s}"]
+        curve = {p[0]: p[1] for p in run["curve"]}
+        flag = "" if s == 0 else f" --seed {s}"
+        printed("../README.md", f"| `python grpo.py --dataset chains{flag}` | @ | @ → @ → @ → @ → @ | @ |",
+                round(run["curve"][-1][2]), *(curve[k] for k in (0, 20, 40, 60, 80)), run["test"])

@@ -11,9 +11,14 @@ completions vary in length (about 15 to 170 tokens) and in form, short chains ar
 long ones mostly wrong, and sampling at temperature 1 carries often enough for the reward to
 teach the rest. docs/grpo.md#chains has the numbers.
 
+The data (all_splits): train.jsonl, 512 problems; val.jsonl and test.jsonl, 150 and 300 problems,
+25 and 50 of each chain length, none sharing its numbers as a multiset with another problem of
+either split, with a training problem or with a warm-start problem. The scripts evaluate on
+val.jsonl during a run and on test.jsonl once, at the end.
+
     python toy/chains/build.py              # ~45 minutes on 2 CPU cores: data, tokenizer, model
     python toy/chains/build.py --data_only  # the data files only (the tests compare them)
-    python toy/chains/build.py --report     # what the docs quote about the committed model
+    python toy/chains/build.py --report     # the committed model's accuracy (test split) and lengths
 
 The data and the tokenizer are byte-for-byte reproducible; the warm start is seeded, but float
 reductions differ between CPUs, so a rebuilt model can differ from the committed one in its last
@@ -38,7 +43,8 @@ LENGTH_WEIGHTS = [5, 3, 2, 2, 2, 2]  # more two-number sums: the short end of th
 DROP_CARRY = [0.2, 0.6, 0.65, 0.7, 0.75, 0.8]  # P(teacher forgets the carry) at addition 1, 2, ...
 REVERSED = 0.3  # P(the teacher adds from the last number back)
 N_TRAIN = 512
-N_TEST = 300
+N_FIRST_HELDOUT = 300  # the first held-out draw: no longer evaluated on, but the warm start excluded it
+PER_LENGTH = {"val": 25, "test": 50}  # held-out problems per chain length: 150 and 300
 NAMES = [("Mia", "she", "her"), ("Tom", "he", "his"), ("Ava", "she", "her"), ("Leo", "he", "his"),
          ("Zoe", "she", "her"), ("Sam", "he", "his"), ("Ella", "she", "her"), ("Ben", "he", "his")]
 ITEMS = ["shells", "stamps", "apples", "coins", "stickers", "marbles", "cards", "beads"]
@@ -51,10 +57,10 @@ ASK = ["What is {sum}?", "Compute {sum}.", "Add these numbers: {list}.", "Find t
 # Problems
 
 
-def make_problem(rng):
+def make_problem(rng, n=None):
     """A dict with the question, the numbers in question order, the answer, and (for a word
-    problem) who and what, so the teacher can talk about it."""
-    n = rng.choices(LENGTHS, LENGTH_WEIGHTS)[0]
+    problem) who and what, so the teacher can talk about it. n: how many numbers (default drawn)."""
+    n = n or rng.choices(LENGTHS, LENGTH_WEIGHTS)[0]
     xs = [rng.randint(10, 99) for _ in range(n)]
     row = {"numbers": xs, "answer": str(sum(xs))}
     if rng.random() < 0.4:
@@ -71,8 +77,10 @@ def make_problem(rng):
     return row
 
 
-def make_splits(seed=0, n_train=N_TRAIN, n_test=N_TEST):
-    """Disjoint training and held-out problems (no two share their numbers)."""
+def make_splits(seed=0, n_train=N_TRAIN, n_test=N_FIRST_HELDOUT):
+    """The first draw: training problems and a held-out set (no two share their numbers in order).
+    Only the training half is used now; the held-out half still fixes which problems
+    warm_problems() draws, so the committed warm start is reproduced."""
     rng = random.Random(seed)
     seen = set()
     rows = []
@@ -94,6 +102,38 @@ def warm_problems(exclude, seed, n):
         if tuple(row["numbers"]) not in seen:
             rows.append(row)
     return rows
+
+
+def heldout_splits(exclude, seed=0, per_length=PER_LENGTH):
+    """{"val": rows, "test": rows}, each with the same number of problems of every chain length, and
+    no problem sharing its numbers *as a multiset* with another, with a training problem or with a
+    warm-start problem (`exclude`): the warm start also adds a chain from the last number back, so
+    an order of the numbers it has seen is not new. Two-number sums are 1/6 of each split."""
+    rng = random.Random(seed + 2)
+    seen = {tuple(sorted(r["numbers"])) for r in exclude}
+    splits = {}
+    for name, k in per_length.items():
+        rows = []
+        for n in LENGTHS:
+            found = 0
+            while found < k:  # about 1 in 70 two-number draws is new; longer ones almost always
+                row = make_problem(rng, n)
+                key = tuple(sorted(row["numbers"]))
+                if key not in seen:
+                    seen.add(key)
+                    rows.append(row)
+                    found += 1
+        rng.shuffle(rows)  # so --eval_n k takes a mix of lengths
+        splits[name] = rows
+    return splits
+
+
+def all_splits(seed=0, warm_rows=50000):
+    """train, val, test rows and the warm-start problems, as the committed files hold them."""
+    train, first_heldout = make_splits(seed)
+    warm = warm_problems(train + first_heldout, seed, warm_rows)
+    held = heldout_splits(train + warm, seed)
+    return train, held["val"], held["test"], warm
 
 
 def write_jsonl(path, rows):
@@ -280,11 +320,11 @@ def main():
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    train, test = make_splits(args.seed)
+    train, val, test, warm = all_splits(args.seed, args.warm_rows)
     os.makedirs(os.path.join(args.out, "data"), exist_ok=True)
-    write_jsonl(os.path.join(args.out, "data", "train.jsonl"), train)
-    write_jsonl(os.path.join(args.out, "data", "test.jsonl"), test)
-    print(f"data: {len(train)} train, {len(test)} test problems -> "
+    for name, rows in (("train", train), ("val", val), ("test", test)):
+        write_jsonl(os.path.join(args.out, "data", f"{name}.jsonl"), rows)
+    print(f"data: {len(train)} train, {len(val)} validation, {len(test)} test problems -> "
           f"{os.path.join(args.out, 'data')}")
     if args.data_only:
         return
@@ -294,7 +334,6 @@ def main():
         torch.manual_seed(args.seed)
         report(load_model(folder, torch.device("cpu")), load_tokenizer(folder), train, test)
         return
-    warm = warm_problems(train + test, args.seed, args.warm_rows)
     tokenizer = make_tokenizer(corpus(warm[:5000], random.Random(args.seed)), vocab_size=512)
     model = make_model(tokenizer, args.hidden, args.layers, args.seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
