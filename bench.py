@@ -153,8 +153,8 @@ def timed(call, repeats):
     return float(np.median(seconds[1:])), torch.cuda.max_memory_allocated() / 2**30 if cuda else None, result
 
 
-def step_section(args, figures):
-    """Padded and packed updates (and packed under the dense mask) per length mix and budget."""
+def step_section(args):
+    """Padded, packed and shared-prompt updates per length mix and budget: the report's table."""
     config = (Qwen2Config(**SHAPES[args.shape], num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                           max_position_embeddings=32768) if args.shape in SHAPES else
               AutoConfig.from_pretrained(DATASETS["toy"]["model"] if args.shape == "toy" else args.shape))
@@ -246,10 +246,10 @@ def run_script(args, runs, job, flags, kept):
         with open(done, "w") as f:
             json.dump(flags, f)
     rows, config = read(os.path.join(out, "metrics.jsonl")), read(os.path.join(out, "config.json"))
-    return {"flags": flags, "engine": config["engine"], "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-            "schedule": config["args"]["lr_schedule"], "ideal": config["ideal_trained_fraction"],
-            "questions": config.get("questions_per_step"), "curve": curve(rows), "test": rows[-1].get("test_accuracy"),
-            "phases": step_phases(rows)}
+    return {"flags": flags, "engine": config["engine"], "machine": machine(), "schedule": config["args"]["lr_schedule"],
+            "date": time.strftime("%Y-%m-%d", time.localtime(os.path.getmtime(os.path.join(out, "metrics.jsonl")))),
+            "ideal": config["ideal_trained_fraction"], "questions": config.get("questions_per_step"),
+            "curve": curve(rows), "test": rows[-1].get("test_accuracy"), "phases": step_phases(rows)}
 
 
 def run_scripts(args, runs):
@@ -276,8 +276,8 @@ def run_scripts(args, runs):
 def budget_seconds(args, dataset, results):
     """The equal training budget: --budget_s, else BUDGET_S's for the task, else GRPO's median; None: none."""
     grpo = [results.get(("learning", dataset, "grpo", s)) for s in args.seeds]
-    median = None in grpo or round(float(np.median([g["curve"][-1][2] for g in grpo])))  # (True: no GRPO runs)
-    return None if args.budget_s == 0 or None in grpo else args.budget_s or BUDGET_S.get(dataset) or median
+    median = lambda: round(float(np.median([g["curve"][-1][2] for g in grpo])))  # noqa: E731 (only when needed)
+    return None if args.budget_s == 0 or None in grpo else args.budget_s or BUDGET_S.get(dataset) or median()
 
 
 def step_phases(rows, skip=1):
@@ -555,7 +555,7 @@ def parse():
 def main():
     args = parse()
     started, lines, figures = time.time(), [], {}
-    lines += step_section(args, figures) if "step" in args.parts else []
+    lines += step_section(args) if "step" in args.parts else []
     with tempfile.TemporaryDirectory(prefix="bench-runs-") as scratch:  # the runs, unless --runs keeps them
         os.makedirs(args.runs or scratch, exist_ok=True)
         results, kept = run_scripts(args, args.runs or scratch)
