@@ -543,12 +543,11 @@ def test_results_md_prints_every_seed_and_the_rule():
     finals = grpo["final test accuracy"].values()
     printed("results.md", "GRPO's final test accuracies over these seeds span @ to @", min(finals), max(finals))
     printed("results.md", "so the six seeds the rule asks for are about 4.6 hours; this section has @", len(seeds()))
-    for m, name in zip(METHODS, ["GRPO", "2-GRPO", "CPPO", "DPPO", "MMR-GRPO"]):  # the machine's speed, seed by seed
-        steps = [kept_runs()[f"learning {m} {s}"]["phases"]["step_s"] for s in seeds()]
-        printed("results.md", ("seed by seed, was " if m == "grpo" else "; ") + f"{name} "
-                + " / ".join("@" for _ in steps), *steps)
-    steps = {name: [kept_runs()[f"learning {m} {s}"]["phases"]["step_s"] for s in seeds()]
+    steps = {name: [kept_runs()[f"learning {m} {s}"]["phases"]["step_s"] for s in seeds()]  # the machine's speed
              for m, name in zip(METHODS, ["GRPO", "2-GRPO", "CPPO", "DPPO", "MMR-GRPO"])}
+    for name, values in steps.items():
+        printed("results.md", ("seed by seed, was " if name == "GRPO" else "; ") + f"{name} "
+                + " / ".join("@" for _ in values), *values)
     widest = max(steps, key=lambda name: max(steps[name]) / min(steps[name]))
     printed("results.md", f"moved by as much as {widest}'s @ to @ s", min(steps[widest]), max(steps[widest]))
 
