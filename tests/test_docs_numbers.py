@@ -471,6 +471,9 @@ def test_mmr_batch_sizes_and_toy_arithmetic():
 
 TARGET, BUDGET, LEAST_SEEDS = 0.85, 201, 6
 METHODS = ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]
+WORDS = {"final test accuracy": ("more accurate", "less accurate"), f"steps to {TARGET}": ("more steps", "fewer steps"),
+         f"training s to {TARGET}": ("slower", "faster"), f"test accuracy at {BUDGET} s": ("more accurate",
+                                                                                    "less accurate")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -538,11 +541,12 @@ def test_results_md_prints_every_seed_and_the_rule():
                      f"test accuracy at {BUDGET} s"]:
             diff, low, high, n, sure = against_grpo(mine[name], grpo[name])
             assert not sure or n >= LEAST_SEEDS
-            words = "" if sure else f": not distinguishable at {n} seeds"
+            words = f": {WORDS[name][int(diff < 0)]}" if sure else f": not distinguishable at {n} seeds"
             printed("results.md", f"| {m} | " * (name == "final test accuracy") + f"@ [@, @]{words}", diff, low, high)
     finals = grpo["final test accuracy"].values()
     printed("results.md", "GRPO's final test accuracies over these seeds span @ to @", min(finals), max(finals))
-    printed("results.md", "so the six seeds the rule asks for are about 4.6 hours; this section has @", len(seeds()))
+    printed("results.md", "so the six seeds the rule asks for took about 4.6 hours; this section has all @",
+            len(seeds()))
     steps = {name: [kept_runs()[f"learning {m} {s}"]["phases"]["step_s"] for s in seeds()]  # the machine's speed
              for m, name in zip(METHODS, ["GRPO", "2-GRPO", "CPPO", "DPPO", "MMR-GRPO"])}
     for name, values in steps.items():
@@ -565,7 +569,7 @@ def test_method_pages_print_their_chains_table():
                 cells.append("@ (" + " / ".join("@" if s in table else "–" for s in seeds()) + ")")
                 values += [float(np.mean(list(table.values()))), *(table[s] for s in seeds() if s in table)]
             diff, low, high, n, sure = against_grpo(mine[name], grpo[name])
-            words = "" if sure else f": not distinguishable at {n} seeds"
+            words = f": {WORDS[name][int(diff < 0)]}" if sure else f": not distinguishable at {n} seeds"
             printed(f"{m}.md", f"| {name} | {cells[0]} | {cells[1]} | @ [@, @]{words} |", *values, diff, low, high)
 
 
@@ -587,7 +591,15 @@ def test_readme_which_method_when_quotes_the_same_means():
     printed(readme, "reached 0.85 after @ steps and @ s, ended at @ and scored @ at 201 s",
             *(mean("mmr_grpo", k) for k in (steps, secs, final, budget)))
     assert f"*not distinguishable at {len(seeds())} seeds*" in doc("../README.md")
-    finals = chains_metrics("grpo")[final].values()
+    grpo = chains_metrics("grpo")
+    called = {(m, k): WORDS[k][int(stat[0] < 0)] for m in METHODS[1:] for k in WORDS
+              if (stat := against_grpo(chains_metrics(m)[k], grpo[k]))[4]}
+    assert called == {("cppo", final): "more accurate", ("cppo", steps): "fewer steps",
+                      ("cppo", budget): "more accurate"}  # "it calls three differences, all CPPO's (below)"
+    assert "it calls three differences, all CPPO's" in doc("../README.md")
+    assert "By the rule it is *more accurate* at the end and at 201 s and needs *fewer steps* to 0.85, while its time " \
+           f"to 0.85 is not distinguishable at {len(seeds())} seeds" in doc("../README.md")
+    finals = grpo[final].values()
     printed(readme, "Its final test accuracy spans @–@ over these seeds", min(finals), max(finals))
 
 
@@ -596,11 +608,13 @@ def test_pages_quote_the_seed_spread_and_the_seed_counts():
     final, budget = "final test accuracy", f"test accuracy at {BUDGET} s"
     grpo, two, mmr = chains_metrics("grpo"), chains_metrics("two_grpo"), chains_metrics("mmr_grpo")
     n = len(seeds())
-    printed("two_grpo.md", "2-GRPO ended higher than GRPO in @ of the @ seeds and scored higher at 201 s in @, but @ "
-            "seeds are fewer than the six the rule asks for, and GRPO's own final test accuracy spans @–@ over them",
+    printed("two_grpo.md", "2-GRPO ended higher than GRPO in @ of the @ seeds and scored higher at 201 s in @, but "
+            "every interval spans zero, and GRPO's own final test accuracy spans @–@ over them",
             sum(two[final][s] > grpo[final][s] for s in seeds()), n,
-            sum(two[budget][s] > grpo[budget][s] for s in seeds()), n, min(grpo[final].values()),
+            sum(two[budget][s] > grpo[budget][s] for s in seeds()), min(grpo[final].values()),
             max(grpo[final].values()))
+    for m in ("two_grpo", "mmr_grpo"):  # the pages' "every interval spans zero"
+        assert all(not against_grpo(chains_metrics(m)[k], grpo[k])[4] for k in WORDS), m
     printed("mmr_grpo.md", "GRPO's own final test accuracy spans @–@ over these @ seeds (MMR-GRPO's @–@)",
             min(grpo[final].values()), max(grpo[final].values()), n, min(mmr[final].values()),
             max(mmr[final].values()))
