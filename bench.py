@@ -193,7 +193,7 @@ def step_section(args):
     return ["## 1. The training update: padded, packed, shared prompt", "",
             f"{args.shape} shape ({n_params / 1e6:.1f}M parameters, random weights, fp32 master weights"
             f"{', bf16 autocast' if peak else ''}), one update over {args.sequences} completions, {args.step_group} "
-            f"per prompt, attention {args.attn}{' (bucketed causal sdpa per sequence)' * (args.attn == 'varlen')}, "
+            f"per prompt, attention {args.attn}{' (CPU: bucketed sdpa, GPU: flash)' * (args.attn == 'varlen')}, "
             f"median of {args.repeats} timed updates after one warm-up"
             + (f"; measured bf16 matmul peak {peak:.0f} TFLOP/s." if peak else "."), "", *table, "",
             "Every layout computes the same gradient (tests/test_bench.py, tests/test_packing.py). *padded*: "

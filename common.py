@@ -1,15 +1,9 @@
 """What the five scripts share. A method is two files: copy `<method>.py` and this one.
 
-Part I, one training step in order (the maths: docs/grpo.md)
-  1. reward      math_reward(): math-verify judges the final answer, in bounded time
-  2. advantages  group_advantages(): (r - mean) / (std + eps) in each prompt's group
-  3. packing     Sample, pack_microbatches(), the "varlen" attention: each sequence of a packed row attends
-                 to itself (a group's prompt laid out once), its bounds read from the position ids
-  4. log-probs   packed_logprobs(), memory-lean; sequence_logprobs() for the no-grad passes
-  5. loss        token_coefficients(), token_loss(): the clipped surrogate and the k3 KL
-  6. update      policy_update(): one optimiser step over packed micro-batches
-  7. rollout     VLLMEngine (vLLM in this process, weight push), HFEngine (transformers generate)
-Part II, the run: 8. models, 9. flags, 10. data (train, validation, test), 11. setup(), 12. the run folder
+Part I, one training step in order (the maths: docs/grpo.md): 1. reward (math_reward), 2. advantages
+(group_advantages), 3. packing (Sample, pack_microbatches, the "varlen" attention), 4. log-probs (packed_logprobs,
+sequence_logprobs), 5. loss (token_coefficients, token_loss), 6. update (policy_update), 7. rollout (VLLMEngine,
+HFEngine). Part II, the run: 8. models, 9. flags, 10. data (train, validation, test), 11. setup(), 12. the run folder.
 """
 import argparse
 import collections
@@ -31,6 +25,7 @@ import types
 
 import numpy as np
 import torch
+from torch.nn.attention.varlen import varlen_attn  # (torch >= 2.11)
 from torch.utils.checkpoint import checkpoint
 import transformers
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
@@ -142,11 +137,9 @@ def group_advantages(rewards, std_mode="unbiased", eps=1e-4):
     """A[q, i] = (r[q, i] - mean_q r) / (std_q r + eps). docs/grpo.md#eq-advantage std_mode: 'unbiased'
     (ddof 1: TRL, verl), 'population' (ddof 0: 2-GRPO), 'none' (Dr. GRPO: r - mean); a tied group gets 0."""
     r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]
-    centred = r - r.mean(dim=1, keepdim=True)  # [Q, G]
     std = r.std(dim=1, unbiased=std_mode == "unbiased", keepdim=True) + eps if std_mode != "none" else 1.0
-    adv = centred / std  # [Q, G] (G = 1 has no unbiased std: NaN, set to 0 below with every tied group)
-    tied = (r == r[:, :1]).all(dim=1, keepdim=True)  # [Q, 1]
-    return torch.where(tied, torch.zeros_like(adv), adv).float()
+    adv = (r - r.mean(dim=1, keepdim=True)) / std  # [Q, G] (G = 1 has no unbiased std: NaN, set to 0 below)
+    return torch.where((r == r[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv).float()
 
 
 # 3. Packing: samples back to back in one row, each attending to itself, a group's prompt once (docs/grpo.md#packing)
@@ -211,16 +204,22 @@ PACKED = "packed row"  # what the "varlen" mask function hands every layer inste
 
 
 @functools.lru_cache(maxsize=1)  # once per forward: every layer gets the same position_ids tensor
-def seq_layout(position_ids):
-    """A packed row's sequences (one starting at p > 0 behind the first p rows of the last from 0: a shared prompt) in
-    buckets of similar lengths: ([(count, padded length)], gather [R]: right-padded bucket rows, scatter [T])."""
+def row_sequences(position_ids):
+    """A packed row's sequences: starts, and key rows (at p > 0: the first p of the last from 0, then its own)."""
     pos = position_ids[0].tolist()
     starts = [t for t in range(len(pos)) if t == 0 or pos[t] != pos[t - 1] + 1] + [len(pos)]
     seqs, root = [], 0
     for a, b in zip(starts, starts[1:]):
         root = a if pos[a] == 0 else root
         seqs.append([*range(root, root + pos[a]), *range(a, b)])  # (its prompt), itself
-    buckets, gather, scatter = [], [], [0] * len(pos)  # longest first: [count, padded length] per bucket
+    return starts, seqs
+
+
+@functools.lru_cache(maxsize=1)
+def seq_layout(position_ids):
+    """Buckets of similar lengths: ([(count, padded length)], gather [R]: right-padded bucket rows, scatter [T])."""
+    starts, seqs = row_sequences(position_ids)
+    buckets, gather, scatter = [], [], [0] * starts[-1]  # longest first: [count, padded length] per bucket
     for i in sorted(range(len(seqs)), key=lambda i: -len(seqs[i])):
         if not buckets or len(seqs[i]) < BUCKET_RATIO * buckets[-1][1]:  # else it joins the open bucket
             buckets.append([0, len(seqs[i])])
@@ -229,6 +228,28 @@ def seq_layout(position_ids):
         scatter[starts[i]:starts[i + 1]] = range(end - (starts[i + 1] - starts[i]), end)
         gather += seqs[i] + [seqs[i][-1]] * (buckets[-1][1] - len(seqs[i]))
     return [tuple(b) for b in buckets], *(torch.tensor(x, device=position_ids.device) for x in (gather, scatter))
+
+
+GQA = {"enable_gqa": True} if "enable_gqa" in (varlen_attn.__kwdefaults__ or {}) else {}  # torch >= 2.12 asks
+
+
+@functools.lru_cache(maxsize=1)
+def flash_layout(position_ids):
+    """varlen_attn's index: query bounds [n + 1], key bounds [n + 1], key rows [K], longest query, longest keys."""
+    starts, seqs = row_sequences(position_ids)
+    bounds = np.cumsum([0, *map(len, seqs)]).tolist()
+    keys = [t for s in seqs for t in s]
+    index = [torch.tensor(x, dtype=torch.int32, device=position_ids.device) for x in (starts, bounds, keys)]
+    return *index, int(max(np.diff(starts))), int(max(np.diff(bounds)))
+
+
+def flash_attention(query, key, value, position_ids, scaling):
+    """[1, H, T, d] each -> [1, T, Hq, d]: one flash call for the row (GPU), each sequence's queries against its key
+    rows, causal from the bottom right (a completion's first query sees its whole prompt), in autocast's dtype."""
+    cu_q, cu_k, keys, max_q, max_k = flash_layout(position_ids)
+    q, k, v = (x[0].transpose(0, 1).to(torch.get_autocast_dtype(x.device.type)) for x in (query, key, value))  # bf16
+    k, v = (k, v) if len(keys) == len(q) else (k.index_select(0, keys), v.index_select(0, keys))  # [K, Hkv, d]
+    return varlen_attn(q.contiguous(), k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0), **GQA)[None]
 
 
 def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
@@ -243,6 +264,8 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if attention_mask is not PACKED:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    if query.is_cuda and torch.is_autocast_enabled("cuda") and not (dropout or kwargs.get("sliding_window")):
+        return flash_attention(query, key, value, position_ids, scaling), None  # one call, no padding, query-only
     buckets, gather, scatter = seq_layout(position_ids)
     if kwargs.get("sliding_window") and buckets[0][1] > kwargs["sliding_window"]:
         raise NotImplementedError("a sequence is longer than the sliding window: use --attn sdpa")
@@ -265,8 +288,7 @@ AttentionMaskInterface.register("varlen", varlen_mask)
 
 
 def _logprob_chunk(hidden, weight, targets, temperature, config):
-    """The LM head, what some models do after it (Cohere's logit_scale, Granite's 1 / logits_scaling,
-    Gemma's final_logit_softcapping), the temperature: log-probs [c] of the targets."""
+    """Log-probs [c] of the targets: the LM head, what a model does after it (Cohere, Granite, Gemma2), temperature."""
     logits = (hidden @ weight.T).float()  # [c, V]: fp32 softmax, under bf16 autocast too
     logits = logits * (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -276,11 +298,9 @@ def _logprob_chunk(hidden, weight, targets, temperature, config):
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, config=None):
     """log softmax(head(h) / T)[target] of hidden [N, d], by chunks recomputed in backward. docs/grpo.md#eq-logprob"""
-    out = []
-    for i in range(0, hidden.shape[0], chunk):
-        part = (hidden[i:i + chunk], weight, targets[i:i + chunk], temperature, config)
-        out.append(checkpoint(_logprob_chunk, *part, use_reentrant=False) if torch.is_grad_enabled() else
-                   _logprob_chunk(*part))
+    out = [checkpoint(_logprob_chunk, *part, use_reentrant=False) if torch.is_grad_enabled() else _logprob_chunk(*part)
+           for part in ((hidden[i:i + chunk], weight, targets[i:i + chunk], temperature, config)
+                        for i in range(0, hidden.shape[0], chunk))]
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)  # [N]
 
 
@@ -296,9 +316,8 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=
         return chunked_logprobs(hidden[predict], weight, targets, temperature, chunk, model.config)  # [N]
 
 
-# The passes: temperature, real vocabulary (LM-head rows past it: padding), token budget, chunk, packer, shared prompt
 Passes = collections.namedtuple("Passes", "temperature vocab_size token_budget chunk pack shared",
-                                defaults=(1024, pack_microbatches, False))
+                                defaults=(1024, pack_microbatches, False))  # LM-head rows past vocab_size: padding
 
 
 @torch.no_grad()
@@ -339,12 +358,9 @@ def token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta, is_weight
     unclipped = ratio * adv  # [N]
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv  # [N]
     loss = -torch.minimum(unclipped, clipped) * (1.0 if is_weight is None else is_weight)  # [N]; docs/grpo.md#eq-tis
-    kl = torch.zeros_like(logp)
-    if beta:
-        delta = ref_logp - logp
-        kl = torch.exp(delta) - delta - 1  # [N], k3 estimator of KL(pi_theta || pi_ref), >= 0
-        loss = loss + beta * kl
-    return loss, kl.detach(), (clipped < unclipped).detach()
+    delta = ref_logp - logp if beta else torch.zeros_like(logp)  # beta 0: no reference pass, kl 0
+    kl = torch.exp(delta) - delta - 1  # [N], k3 estimator of KL(pi_theta || pi_ref), >= 0
+    return loss + beta * kl, kl.detach(), (clipped < unclipped).detach()
 
 
 # 6. Update
@@ -358,8 +374,7 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
         logp = packed_logprobs(model, batch, *passes[:2], passes.chunk, passes.shared)  # [N]
         adv = torch.tensor([s.advantage for s in batch for _ in s.completion_ids], device=logp.device)  # [N]
         coef = torch.tensor([s.coef for s in batch for _ in s.completion_ids], device=logp.device)  # [N]
-        old = logp.detach()  # on-policy: the ratio is 1 in value, its gradient grad logp
-        old = torch.cat([s.old_logps for s in batch]).to(logp.device) if batch[0].old_logps is not None else old
+        old = logp.detach() if batch[0].old_logps is None else torch.cat([s.old_logps for s in batch]).to(logp.device)
         ref = torch.cat([s.ref_logps for s in batch]).to(logp.device) if beta else None
         engine = torch.tensor([x for s in batch for x in s.sample_logps], device=logp.device) \
             if batch[0].sample_logps is not None else None  # [N] the log-probs the engine sampled with (vLLM only)
@@ -409,10 +424,8 @@ class VLLMEngine:
                                  seed=None if self.cpu else seed + k * n, stop_token_ids=self.stop_ids,
                                  logit_bias=self.padded_bias or None)  # else vLLM's neutral defaults
                   for k in range(len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [[(list(c.token_ids), [c.logprobs[k][t].logprob for k, t in enumerate(c.token_ids)])
-                 for c in o.outputs] for o in outputs]
-
+        return [[(list(c.token_ids), [c.logprobs[k][t].logprob for k, t in enumerate(c.token_ids)]) for c in o.outputs]
+                for o in self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
     def push(self, model):
         """The policy's weights in (named as in a checkpoint), the prefix cache (old KV) out."""
@@ -476,8 +489,6 @@ def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=F
     return model.eval().requires_grad_(False) if frozen else model.train()
 
 
-
-
 def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule):
     """AdamW (torch's betas, as TRL and verl); linear warm-up, then constant or cosine to 10%."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
@@ -495,9 +506,8 @@ def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule)
 
 def arg(default, help, **argparse_kw):
     """A dataclass field that HfArgumentParser makes a flag: one-line `help`, `shown` default."""
-    shown = argparse_kw.pop("shown", repr(default))
-    help = f"{help} (default: {shown})".replace("%", "%%")  # argparse formats help with %
-    return dataclasses.field(default=default, metadata={"help": help, **argparse_kw})
+    help = f"{help} (default: {argparse_kw.pop('shown', repr(default))})"  # (%: argparse formats help with it)
+    return dataclasses.field(default=default, metadata={"help": help.replace("%", "%%"), **argparse_kw})
 
 
 def recipe_arg(name, help, **argparse_kw):
@@ -507,7 +517,6 @@ def recipe_arg(name, help, **argparse_kw):
 
 
 def die(message):
-    """Bad input: one line on stderr, exit code 2."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -652,7 +661,6 @@ def load_dataset(spec, eval_n):
 
 
 def format_prompt(tokenizer, question, template):
-    """The chat-formatted prompt text, ending where the assistant's answer starts."""
     system, user = TEMPLATES[template]
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": user.replace("{question}", question)})
@@ -676,8 +684,7 @@ def take_prompts(n_rows, cursor, k, seed):
 
 
 def setup(args, method, questions=None, config=None, about=""):
-    """Checks first (one line, exit 2): checkpoint, data, tokenizer, policy; then the reference, engine,
-    optimiser, config.json (+ `config`), first line (+ `about`), step-0 evaluation. Returns the run."""
+    """The run, every check first (one line, exit 2); `config` joins config.json, `about` the first line printed."""
     folder = checkpoints(args.out)[-1] if args.resume else None
     state = read_checkpoint(folder) if folder else {"step": 0, "cursor": 0}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -801,18 +808,16 @@ def batch_metrics(rewards, samples, stop_ids, reward_counts):
 
 
 def finish_step(run, bar, row, cursor, extra_state=None):
-    """After a step: validation accuracy, the metrics row, the bar, a checkpoint (+ `extra_state`), the plot. True
-    at the end (the last step, or the first whose summed step times reach --time_budget): test accuracy, once."""
+    """After a step: evaluate, log, save (+ `extra_state`). True at the end: the last step, or --time_budget spent."""
     args, done = run.args, row["step"]
     row["tokens_per_s"] = row["tokens"] / row["step_s"]
     run.train_s += row["step_s"]
     run.steps = done if args.time_budget and run.train_s >= args.time_budget else run.steps
+    acc_on = functools.partial(evaluate, run.engine, run.tokenizer, max_tokens=args.max_tokens, seed=args.seed)
     if (args.eval_every and done % args.eval_every == 0) or done == run.steps:
-        run.eval_acc = row["eval_accuracy"] = evaluate(run.engine, run.tokenizer, run.eval_rows, args.max_tokens,
-                                                       args.seed)
+        run.eval_acc = row["eval_accuracy"] = acc_on(run.eval_rows)
     if done == run.steps:
-        run.test_acc = row["test_accuracy"] = run.eval_acc if run.test_rows is run.eval_rows else evaluate(
-            run.engine, run.tokenizer, run.test_rows, args.max_tokens, args.seed)
+        run.test_acc = row["test_accuracy"] = run.eval_acc if run.test_rows is run.eval_rows else acc_on(run.test_rows)
     log_row(run.metrics, row)
     acc = "-" if run.eval_acc is None else f"{run.eval_acc:.3f}"
     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc, tok_s=f"{row['tokens_per_s']:.0f}")

@@ -84,9 +84,10 @@ class Args:
                                   "mask is a dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
     grad_ckpt: bool = arg(None, "gradient checkpointing (true/false)", shown="on for GPU")
-    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own, bucketed "
-                              "sdpa), flash_attention_2 (needs flash-attn), sdpa or eager (a dense "
-                              "[T, T] mask)", choices=["varlen", "flash_attention_2", "sdpa", "eager"])
+    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own: bucketed "
+                              "sdpa on CPU, flash on GPU), flash_attention_2 (needs flash-attn), sdpa or "
+                              "eager (a dense [T, T] mask)",
+                    choices=["varlen", "flash_attention_2", "sdpa", "eager"])
     shared_prompt: bool = arg(True, "each prompt once before its completions in a packed row (varlen "
                                     "only: sdpa, eager, flash_attention_2 repeat it per completion)")
     # evaluation and checkpoints

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from conftest import (ARCH_CONFIGS, POST_HEAD, TINY_VOCAB, RecordingOptimizer, assert_grads_close, build_arch,
                       make_samples)
 
-from common import (Passes, Sample, chunked_logprobs, load_model, make_optimizer, pack_microbatches, packed_inputs,
-                    packed_logprobs, policy_update, seq_layout, sequence_logprobs, token_coefficients)
+import common
+from common import (PACKED, Passes, Sample, chunked_logprobs, flash_attention, flash_layout, load_model, make_optimizer,
+                    pack_microbatches, packed_inputs, packed_logprobs, policy_update, seq_layout, sequence_logprobs,
+                    token_coefficients, varlen_attention)
 
 
 def one_at_a_time(model, samples):
@@ -193,6 +195,58 @@ def test_seq_layout_buckets_by_hand():
     # one sequence: one bucket, the identity
     buckets, gather, scatter = seq_layout(torch.arange(6)[None])
     assert buckets == [(1, 6)] and gather.tolist() == scatter.tolist() == list(range(6))
+
+
+def test_flash_layout_by_hand():
+    """The GPU path's index for docs/grpo.md#shared-prompt's picture, prompt p (3 tokens), completions a (2), b (3):
+    row p0 p1 p2 a0 a1 b0 b1 b2 at positions 0 1 2 3 4 3 4 5. The first completion goes on from its prompt, so the
+    queries are two runs, p a (5 rows) and b (3); the keys: p a itself, then p's rows and b's (6 keys for 3 queries).
+    Unshared, every run is its own keys."""
+    cu_q, cu_k, keys, max_q, max_k = flash_layout(torch.tensor([[0, 1, 2, 3, 4, 3, 4, 5]]))
+    assert cu_q.tolist() == [0, 5, 8] and cu_k.tolist() == [0, 5, 11] and (max_q, max_k) == (5, 6)
+    assert keys.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7]
+    assert cu_q.dtype == cu_k.dtype == keys.dtype == torch.int32  # what the flash kernel takes
+    cu_q, cu_k, keys, max_q, max_k = flash_layout(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]))
+    assert cu_q.tolist() == cu_k.tolist() == [0, 3, 5, 9] and keys.tolist() == list(range(9)) and max_q == max_k == 4
+
+
+def flash_by_definition(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """What torch's varlen_attn computes, in fp32: sequence i's queries q[cu_q[i]:cu_q[i+1]] against its keys
+    k[cu_k[i]:cu_k[i+1]], causal from the bottom right (query j of Lq sees keys 0 .. Lk - Lq + j). The real kernel
+    takes this convention (an H100 check against an fp32 reference: docs/grpo.md#flash)."""
+    assert window_size == (-1, 0) and q.dtype == k.dtype == v.dtype == torch.bfloat16  # causal, 16 bits
+    assert int((cu_q[1:] - cu_q[:-1]).max()) == max_q and int((cu_k[1:] - cu_k[:-1]).max()) == max_k
+    out = []
+    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        mask = torch.ones(b - a, d - c, dtype=torch.bool).tril(d - c - (b - a))
+        x = [t.float().transpose(0, 1) for t in (q[a:b], k[c:d], v[c:d])]  # [H, L, d]
+        out.append(F.scaled_dot_product_attention(*x, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1))
+    return torch.cat(out)  # [Tq, Hq, d]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_flash_attention_equals_the_bucketed_sdpa(monkeypatch, shared):
+    """The GPU path (one varlen flash call per packed row) against the CPU one (a causal sdpa per bucket) on the same
+    row: groups of 3, 1 and 2 completions after prompts of 5, 3 and 4 tokens, GQA (4 query heads, 2 KV heads), the
+    kernel replaced by its definition above, inputs rounded to bf16 so that its cast is exact. Outputs within 1e-5;
+    the inputs' gradients within bf16's rounding (the kernel's gradient is a bf16 one)."""
+    monkeypatch.setattr(common, "varlen_attn", flash_by_definition)
+    gen = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(3, 50, (n,), generator=gen).tolist()
+    samples = [Sample(p, tokens(c)) for p, cs in ((tokens(5), (3, 1, 4)), (tokens(3), (2,)), (tokens(4), (2, 5)))
+               for c in cs]
+    _, pos, _, _ = packed_inputs(samples, "cpu", shared)
+    T = pos.shape[1]
+    q, k, v = (torch.randn(1, h, T, 32, generator=gen).bfloat16().float().requires_grad_() for h in (4, 2, 2))
+    w = torch.randn(1, T, 4, 32, generator=gen)
+    got = flash_attention(q, k, v, pos, 0.3)  # [1, T, Hq, d]
+    got_grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+    want = varlen_attention(None, q, k, v, PACKED, scaling=0.3, position_ids=pos)[0]
+    want_grads = torch.autograd.grad((want * w).sum(), (q, k, v))
+    assert got.shape == want.shape == (1, T, 4, 32)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for g, h in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, h, atol=2e-2, rtol=2e-2)
 
 
 def tensor_shapes_during(fn):
