@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import glob
 import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -44,8 +45,7 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 ANCHOR = r"(?i)\b(?:final answer|answer)\s*(?:\*\*\s*)?(?:is\b|:)\s*(?:\*\*\s*)?:?\s*(?:\*\*)?"
 
 
-class VerifyTimeout(BaseException):  # BaseException: sympy's `except Exception` cannot swallow it
-    pass
+VerifyTimeout = type("VerifyTimeout", (BaseException,), {})  # sympy's `except Exception` cannot swallow it
 
 
 @contextlib.contextmanager
@@ -230,7 +230,7 @@ def seq_layout(position_ids):
     return [tuple(b) for b in buckets], *(torch.tensor(x, device=position_ids.device) for x in (gather, scatter))
 
 
-GQA = {"enable_gqa": True} if "enable_gqa" in (varlen_attn.__kwdefaults__ or {}) else {}  # torch >= 2.12 asks
+GQA = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}  # torch >= 2.12
 
 
 @functools.lru_cache(maxsize=1)
@@ -258,13 +258,13 @@ def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
         attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
-def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None,
-                     **kwargs):
-    """[1, H, T, d] each -> ([1, T, Hq, d], None): a packed row's sequences, a causal sdpa per bucket."""
+def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
+    """[1, H, T, d] each -> ([1, T, Hq, d], None): a packed row's sequences, flash on a GPU, else sdpa per bucket."""
     if attention_mask is not PACKED:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    if query.is_cuda and torch.is_autocast_enabled("cuda") and not (dropout or kwargs.get("sliding_window")):
+    if query.is_cuda and torch.is_autocast_enabled("cuda") and not (dropout or kwargs.get("sliding_window")) and \
+            torch.cuda.get_device_capability(query.device) >= (8, 0):  # (flash: Ampere or newer)
         return flash_attention(query, key, value, position_ids, scaling), None  # one call, no padding, query-only
     buckets, gather, scatter = seq_layout(position_ids)
     if kwargs.get("sliding_window") and buckets[0][1] > kwargs["sliding_window"]:

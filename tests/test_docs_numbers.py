@@ -471,6 +471,7 @@ def test_mmr_batch_sizes_and_toy_arithmetic():
 
 TARGET, BUDGET, LEAST_SEEDS = 0.85, 201, 6
 METHODS = ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]
+VERDICT = r"\]: ([a-z ]+?(?: at \d+ seeds)?) \|"  # a table cell's word after its interval (`printed` keeps few)
 WORDS = {"final test accuracy": ("more accurate", "less accurate"), f"steps to {TARGET}": ("more steps", "fewer steps"),
          f"training s to {TARGET}": ("slower", "faster"), f"test accuracy at {BUDGET} s": ("more accurate",
                                                                                     "less accurate")}
@@ -527,6 +528,7 @@ def test_chains_runs_are_complete_and_each_ran_its_default_command():
 
 
 def test_results_md_prints_every_seed_and_the_rule():
+    rule_words = []  # the rule's word for each comparison, in full
     for m in METHODS:
         for name, values in chains_metrics(m).items():
             if not values:
@@ -540,9 +542,10 @@ def test_results_md_prints_every_seed_and_the_rule():
         for name in ["final test accuracy", f"steps to {TARGET}", f"training s to {TARGET}",
                      f"test accuracy at {BUDGET} s"]:
             diff, low, high, n, sure = against_grpo(mine[name], grpo[name])
-            assert not sure or n >= LEAST_SEEDS
             words = f": {WORDS[name][int(diff < 0)]}" if sure else f": not distinguishable at {n} seeds"
             printed("results.md", f"| {m} | " * (name == "final test accuracy") + f"@ [@, @]{words}", diff, low, high)
+            rule_words.append(words)
+    assert sorted(re.findall(VERDICT, doc("results.md"))) == sorted(w[2:] for w in rule_words)
     finals = grpo["final test accuracy"].values()
     printed("results.md", "GRPO's final test accuracies over these seeds span @ to @", min(finals), max(finals))
     printed("results.md", "so the six seeds the rule asks for took about 4.6 hours; this section has all @",
@@ -561,7 +564,7 @@ def test_method_pages_print_their_chains_table():
     90 % interval and the rule's word, for the four metrics the rule compares."""
     grpo = chains_metrics("grpo")
     for m in METHODS[1:]:
-        mine = chains_metrics(m)
+        mine, verdicts = chains_metrics(m), []
         for name in ["final test accuracy", f"steps to {TARGET}", f"training s to {TARGET}",
                      f"test accuracy at {BUDGET} s"]:
             cells, values = [], []
@@ -571,6 +574,8 @@ def test_method_pages_print_their_chains_table():
             diff, low, high, n, sure = against_grpo(mine[name], grpo[name])
             words = f": {WORDS[name][int(diff < 0)]}" if sure else f": not distinguishable at {n} seeds"
             printed(f"{m}.md", f"| {name} | {cells[0]} | {cells[1]} | @ [@, @]{words} |", *values, diff, low, high)
+            verdicts.append(words[2:])
+        assert sorted(re.findall(VERDICT, doc(f"{m}.md"))) == sorted(verdicts), m
 
 
 def test_readme_which_method_when_quotes_the_same_means():
@@ -614,7 +619,8 @@ def test_pages_quote_the_seed_spread_and_the_seed_counts():
             sum(two[budget][s] > grpo[budget][s] for s in seeds()), min(grpo[final].values()),
             max(grpo[final].values()))
     for m in ("two_grpo", "mmr_grpo"):  # the pages' "every interval spans zero"
-        assert all(not against_grpo(chains_metrics(m)[k], grpo[k])[4] for k in WORDS), m
+        assert all(low <= 0 <= high for k in WORDS for _, low, high, _, _ in [against_grpo(chains_metrics(m)[k],
+                                                                                          grpo[k])]), m
     printed("mmr_grpo.md", "GRPO's own final test accuracy spans @–@ over these @ seeds (MMR-GRPO's @–@)",
             min(grpo[final].values()), max(grpo[final].values()), n, min(mmr[final].values()),
             max(mmr[final].values()))
