@@ -433,7 +433,7 @@ def learning_section(args, dataset, number, results, figures):
                  for n, w in zip(names, words)]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines + ["", f"<a id=\"rule\"></a>**The decision rule.** A method is called more accurate, faster or "
-                    f"quicker in steps than GRPO only when at least {MIN_SEEDS} seeds pair up (the same seed: the same "
+                    f"in fewer steps than GRPO only when at least {MIN_SEEDS} seeds pair up (the same seed: the same "
                     "prompt order, and the runs made one after another) and the 90 % paired-bootstrap interval of the "
                     "mean difference excludes zero; otherwise the pages say *not distinguishable at N seeds* and give "
                     "the numbers. Steps and seconds to the target pair only the seeds where both reached it.", ""]
