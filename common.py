@@ -217,17 +217,24 @@ def row_sequences(position_ids):
 
 @functools.lru_cache(maxsize=1)
 def seq_layout(position_ids):
-    """Buckets of similar lengths: ([(count, padded length)], gather [R]: right-padded bucket rows, scatter [T])."""
+    """Buckets of similar key lengths, the completions after a shared prompt apart (they run only their own queries):
+    ([(count, key width, query width, mask [b, 1, qw, kw] or None: causal)], key rows, query rows, scatter [T])."""
     starts, seqs = row_sequences(position_ids)
-    buckets, gather, scatter = [], [], [0] * starts[-1]  # longest first: [count, padded length] per bucket
-    for i in sorted(range(len(seqs)), key=lambda i: -len(seqs[i])):
-        if not buckets or len(seqs[i]) < BUCKET_RATIO * buckets[-1][1]:  # else it joins the open bucket
-            buckets.append([0, len(seqs[i])])
-        buckets[-1][0] += 1
-        end = len(gather) + len(seqs[i])  # its rows, then its last row again as padding; each token's own output
-        scatter[starts[i]:starts[i + 1]] = range(end - (starts[i + 1] - starts[i]), end)
-        gather += seqs[i] + [seqs[i][-1]] * (buckets[-1][1] - len(seqs[i]))
-    return [tuple(b) for b in buckets], *(torch.tensor(x, device=position_ids.device) for x in (gather, scatter))
+    own, width = np.diff(starts).tolist(), [len(s) for s in seqs]  # its queries, its keys (more after a prompt)
+    shared, groups = [o < w for o, w in zip(own, width)], []  # groups: sequence indices per bucket
+    for i in sorted(range(len(seqs)), key=lambda i: (shared[i], -width[i])):  # square first; longest keys first
+        if not groups or shared[i] != shared[groups[-1][0]] or width[i] < BUCKET_RATIO * width[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(i)
+    buckets, keys, queries, dev = [], [], [], position_ids.device
+    for g in groups:  # rows right-padded with the sequence's last (a padded query's output is not used)
+        kw, qw = width[g[0]], max(own[i] for i in g)
+        keys += [t for i in g for t in seqs[i] + [seqs[i][-1]] * (kw - width[i])]
+        queries += [t for i in g for t in seqs[i][width[i] - own[i]:] + [seqs[i][-1]] * (qw - own[i])]
+        mask = np.arange(kw) <= np.array([width[i] - own[i] for i in g])[:, None, None, None] + np.arange(qw)[:, None]
+        buckets.append((len(g), kw, qw, torch.tensor(mask, device=dev) if shared[g[0]] else None))  # [b, 1, qw, kw]
+    scatter = np.unique(queries, return_index=True)[1]  # each token's output from its own row, not a padding copy
+    return buckets, *(torch.tensor(x, device=dev) for x in (keys, queries, scatter))
 
 
 GQA = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}  # torch >= 2.12
@@ -237,10 +244,9 @@ GQA = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).par
 def flash_layout(position_ids):
     """varlen_attn's index: query bounds [n + 1], key bounds [n + 1], key rows [K], longest query, longest keys."""
     starts, seqs = row_sequences(position_ids)
-    bounds = np.cumsum([0, *map(len, seqs)]).tolist()
-    keys = [t for s in seqs for t in s]
-    index = [torch.tensor(x, dtype=torch.int32, device=position_ids.device) for x in (starts, bounds, keys)]
-    return *index, int(max(np.diff(starts))), int(max(np.diff(bounds)))
+    index = [torch.tensor(x, dtype=torch.int32, device=position_ids.device)
+             for x in (starts, np.cumsum([0, *map(len, seqs)]).tolist(), [t for s in seqs for t in s])]
+    return *index, int(max(np.diff(starts))), max(map(len, seqs))
 
 
 def flash_attention(query, key, value, position_ids, scaling):
@@ -261,22 +267,22 @@ def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
     """[1, H, T, d] each -> ([1, T, Hq, d], None): a packed row's sequences, flash on a GPU, else sdpa per bucket."""
     if attention_mask is not PACKED:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if query.is_cuda and torch.is_autocast_enabled("cuda") and not (dropout or kwargs.get("sliding_window")) and \
             torch.cuda.get_device_capability(query.device) >= (8, 0):  # (flash: Ampere or newer)
         return flash_attention(query, key, value, position_ids, scaling), None  # one call, no padding, query-only
-    buckets, gather, scatter = seq_layout(position_ids)
-    if kwargs.get("sliding_window") and buckets[0][1] > kwargs["sliding_window"]:
+    buckets, keys, queries, scatter = seq_layout(position_ids)
+    if kwargs.get("sliding_window") and max(b[1] for b in buckets) > kwargs["sliding_window"]:
         raise NotImplementedError("a sequence is longer than the sliding window: use --attn sdpa")
-    rows = [x[0].transpose(0, 1).index_select(0, gather) for x in (query, key, value)]  # [R, H, d]
-    out, start = [], 0
-    for b, width in buckets:
-        view = [x[start:start + b * width].unflatten(0, (b, width)).transpose(1, 2) for x in rows]
-        o = torch.nn.functional.scaled_dot_product_attention(  # [b, Hq, w, d]
-            *view, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True)
-        out.append(o.transpose(1, 2).flatten(0, 1))  # [b w, Hq, d]
-        start += b * width
+    q, k, v = (x[0].transpose(0, 1).index_select(0, i) for x, i in ((query, queries), (key, keys), (value, keys)))
+    out, qs, ks = [], 0, 0  # q [Rq, Hq, d], k and v [Rk, Hkv, d]
+    for b, kw, qw, mask in buckets:
+        kv = [x[ks:ks + b * kw].unflatten(0, (b, kw)).transpose(1, 2) for x in (k, v)]  # [b, Hkv, kw, d] each
+        o = torch.nn.functional.scaled_dot_product_attention(  # [b, Hq, qw, d]
+            q[qs:qs + b * qw].unflatten(0, (b, qw)).transpose(1, 2), *kv, attn_mask=mask, dropout_p=dropout,
+            is_causal=mask is None, scale=scaling, enable_gqa=True)
+        out.append(o.transpose(1, 2).flatten(0, 1))  # [b qw, Hq, d]
+        qs, ks = qs + b * qw, ks + b * kw
     return torch.cat(out).index_select(0, scatter)[None], None  # [1, T, Hq, d]
 
 
@@ -355,8 +361,7 @@ def token_coefficients(lengths, loss_agg, max_len=None, num_seqs=None, num_token
 def token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta, is_weight=None):
     """(loss, kl, clipped) [N]: clipped surrogate (docs/grpo.md#eq-clip) + beta k3 KL (docs/grpo.md#eq-kl)."""
     ratio = torch.exp(logp - old_logp)  # [N]; 1 in value when old_logp = logp.detach()
-    unclipped = ratio * adv  # [N]
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv  # [N]
+    unclipped, clipped = ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv  # [N] each
     loss = -torch.minimum(unclipped, clipped) * (1.0 if is_weight is None else is_weight)  # [N]; docs/grpo.md#eq-tis
     delta = ref_logp - logp if beta else torch.zeros_like(logp)  # beta 0: no reference pass, kl 0
     kl = torch.exp(delta) - delta - 1  # [N], k3 estimator of KL(pi_theta || pi_ref), >= 0
@@ -369,7 +374,7 @@ def token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta, is_weight
 def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0, grad_clip=1.0):
     """One optimiser step on packed micro-batches of `samples`, clip = (eps_low, eps_high). docs/grpo.md#eq-objective"""
     stats = collections.Counter()
-    for mb in passes.pack(samples, passes.token_budget, passes.shared):
+    for mb in (micro_batches := passes.pack(samples, passes.token_budget, passes.shared)):
         batch = [samples[i] for i in mb]
         logp = packed_logprobs(model, batch, *passes[:2], passes.chunk, passes.shared)  # [N]
         adv = torch.tensor([s.advantage for s in batch for _ in s.completion_ids], device=logp.device)  # [N]
@@ -382,15 +387,14 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
         loss_tok, kl, clipped = token_loss(logp, old, ref, adv, *clip, beta, is_weight)
         loss = (loss_tok * coef).sum()
         loss.backward()
-        stats.update(loss=loss.item(), kl=kl.sum().item(), clip_frac=clipped.sum().item(), tokens=len(logp),
-                     micro_batches=1)
+        stats.update(loss=loss.item(), kl=kl.sum().item(), clip_frac=clipped.sum().item(), tokens=len(logp))
         if engine is not None:  # against the log-probs before this rollout's first update
             stats["mismatch_logp"] += (old - engine).abs().sum().item()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)  # 0: no clipping
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     per = {k: stats[k] / max(stats["tokens"], 1) for k in ("kl", "clip_frac", "mismatch_logp") if k in stats}
-    return {"loss": stats["loss"], **per, "grad_norm": grad_norm.item(), "micro_batches": stats["micro_batches"],
+    return {"loss": stats["loss"], **per, "grad_norm": grad_norm.item(), "micro_batches": len(micro_batches),
             "train_tokens": stats["tokens"]}
 
 
@@ -429,8 +433,7 @@ class VLLMEngine:
 
     def push(self, model):
         """The policy's weights in (named as in a checkpoint), the prefix cache (old KV) out."""
-        dtype = torch.float32 if self.cpu else torch.bfloat16
-        weights = ((name, p.detach().to(dtype)) for name, p in model.state_dict().items())
+        weights = ((k, p.to(torch.float32 if self.cpu else torch.bfloat16)) for k, p in model.state_dict().items())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
 
@@ -475,8 +478,7 @@ def evaluate(engine, tokenizer, rows, max_tokens, seed):
 
 def load_tokenizer(path, trust_remote_code=False):
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:  # pads HF-generate batches only; masks come from lengths
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # pads HF-generate batches only (not masks)
     return tokenizer
 
 
@@ -494,10 +496,9 @@ def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
 
     def factor(t):
-        if t < warmup_steps:
-            return (t + 1) / warmup_steps
-        progress = min(1.0, (t - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0
+        progress = min(1.0, max(0, t - warmup_steps) / max(1, total_steps - warmup_steps))
+        after = 0.1 + 0.45 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0
+        return (t + 1) / warmup_steps if t < warmup_steps else after
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
@@ -795,16 +796,15 @@ def log_row(f, row):
     f.write(json.dumps({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in row.items()}) + "\n")
 
 
-def batch_metrics(rewards, samples, stop_ids, reward_counts):
+def batch_metrics(rewards, samples, stop_ids, counts):
     """What every script logs about a rollout batch: rewards [Q, G], samples, math_reward outcomes."""
     n = len(samples)
     return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std(unbiased=False).item(),
             "completion_len": sum(len(s.completion_ids) for s in samples) / n,
             "truncated": sum(s.completion_ids[-1:] != [] and s.completion_ids[-1] not in stop_ids for s in samples) / n,
             "zero_std_groups": (rewards == rewards[:, :1]).all(dim=1).float().mean().item(),
-            "verify_timeouts": reward_counts["timeout"], "verify_errors": reward_counts["error"],
-            "no_answer": reward_counts["no_answer"], "tokens": sum(len(s.prompt_ids) + len(s.completion_ids)
-                                                                   for s in samples)}
+            "verify_timeouts": counts["timeout"], "verify_errors": counts["error"], "no_answer": counts["no_answer"],
+            "tokens": sum(len(s.prompt_ids + s.completion_ids) for s in samples)}
 
 
 def finish_step(run, bar, row, cursor, extra_state=None):

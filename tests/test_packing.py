@@ -178,23 +178,43 @@ def test_packed_logprobs_and_gradients_equal_alone_across_the_test_models(tiny_d
 def test_seq_layout_buckets_by_hand():
     """The varlen attention reads a packed row's sequences from its position ids (each sequence starts at 0): lengths
     3, 5, 4, 1 at offsets 0, 3, 8, 12. Longest first: 5 opens a bucket, 4 >= 0.8 * 5 joins it (padded to 5), 3 < 0.8 * 5
-    opens the next, 1 the last. Padding repeats the sequence's last position."""
+    opens the next, 1 the last. Padding repeats the sequence's last position. Unshared, every sequence is square: its
+    queries are its keys, and sdpa's own causal mask serves (mask None)."""
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 0]])
-    buckets, gather, scatter = seq_layout(pos)
-    assert buckets == [(2, 5), (1, 3), (1, 1)]
-    assert gather.tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 0, 1, 2, 12]
+    buckets, keys, queries, scatter = seq_layout(pos)
+    assert buckets == [(2, 5, 5, None), (1, 3, 3, None), (1, 1, 1, None)]
+    assert keys.tolist() == queries.tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 0, 1, 2, 12]
     assert scatter.tolist() == [10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8, 13]
-    assert gather[scatter].tolist() == list(range(13))  # every token comes back from its own row
-    assert gather.dtype == scatter.dtype == torch.long and gather.device == pos.device
+    assert queries[scatter].tolist() == list(range(13))  # every token comes back from its own row
+    assert keys.dtype == scatter.dtype == torch.long and keys.device == pos.device
     # computed once per forward: every layer hands in the same position_ids tensor and gets the cached layout
-    assert seq_layout(pos)[1] is gather
+    assert seq_layout(pos)[1] is keys
     # a new row is laid out anew, not taken from the cache: lengths 2, 2, 3 (2 < 0.8 * 3: the 2s share a second bucket)
-    buckets, gather, scatter = seq_layout(torch.tensor([[0, 1, 0, 1, 0, 1, 2]]))
-    assert buckets == [(1, 3), (2, 2)] and gather.tolist() == [4, 5, 6, 0, 1, 2, 3]
+    buckets, keys, queries, scatter = seq_layout(torch.tensor([[0, 1, 0, 1, 0, 1, 2]]))
+    assert [b[:3] for b in buckets] == [(1, 3, 3), (2, 2, 2)] and keys.tolist() == [4, 5, 6, 0, 1, 2, 3]
     assert scatter.tolist() == [3, 4, 5, 6, 0, 1, 2]
     # one sequence: one bucket, the identity
-    buckets, gather, scatter = seq_layout(torch.arange(6)[None])
-    assert buckets == [(1, 6)] and gather.tolist() == scatter.tolist() == list(range(6))
+    buckets, keys, queries, scatter = seq_layout(torch.arange(6)[None])
+    assert buckets == [(1, 6, 6, None)] and keys.tolist() == scatter.tolist() == list(range(6))
+
+
+def test_seq_layout_shared_bucket_by_hand():
+    """Two groups, shared: prompt P (rows 0-3) with completions a (row 4) and b (rows 5-7, positions 4-6); prompt Q
+    (rows 8-12) with c (row 13) and d (rows 14-15, positions 5-6). Square sequences P a (5) and Q c (6) share a causal
+    bucket (5 >= 0.8 * 6). b and d run only their own queries, 3 and 2 (d padded by its last row), against 7 keys
+    each: P's rows and b's, Q's rows and d's. Query j of a sequence with k keys before its first query sees keys
+    0 .. k + j: b's first query sees P and itself (k = 4), d's sees Q and itself (k = 5)."""
+    pos = torch.tensor([[0, 1, 2, 3, 4, 4, 5, 6, 0, 1, 2, 3, 4, 5, 5, 6]])
+    buckets, keys, queries, scatter = seq_layout(pos)
+    assert [b[:4] for b in buckets[:1]] == [(2, 6, 6, None)] and buckets[1][:3] == (2, 7, 3)
+    assert keys.tolist() == [8, 9, 10, 11, 12, 13, 0, 1, 2, 3, 4, 4,  # Q c, P a (padded)
+                             0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 14, 15]  # P b, Q d
+    assert queries.tolist() == [8, 9, 10, 11, 12, 13, 0, 1, 2, 3, 4, 4, 5, 6, 7, 14, 15, 15]
+    assert scatter.tolist() == [6, 7, 8, 9, 10, 12, 13, 14, 0, 1, 2, 3, 4, 5, 15, 16]
+    assert queries[scatter].tolist() == list(range(16))
+    mask = buckets[1][3].int().tolist()  # [2, 1, 3, 7]
+    assert mask == [[[[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]]],
+                    [[[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]]]]  # d's last: padding
 
 
 def test_flash_layout_by_hand():
@@ -374,12 +394,13 @@ def test_shared_prompt_layout_by_hand():
     assert targets.tolist() == [7, 8, 9, 3]
     assert packed_inputs(samples, "cpu")[0].tolist() == [[5, 6, 7, 5, 6, 8, 9, 4, 3]]  # unshared
     assert packed_inputs(samples[::2] + samples[1:2], "cpu", shared=True)[0].tolist() == [[5, 6, 7, 4, 3, 5, 6, 8, 9]]
-    # sequences: rows [0 1 2] (A1), [0 1 | 3 4] (A2 behind a copy of its prompt's rows), [5 6] (B); longest first,
-    # and 3 < 0.8 * 4: a bucket each
-    buckets, gather, scatter = seq_layout(pos)
-    assert buckets == [(1, 4), (1, 3), (1, 2)]
-    assert gather.tolist() == [0, 1, 3, 4, 0, 1, 2, 5, 6]  # A2 with its prompt in front, A1, B
-    assert scatter.tolist() == [4, 5, 6, 2, 3, 7, 8]  # every token's output from its own row, never from the copy
+    # sequences: rows [0 1 2] (A1), [0 1 | 3 4] (A2's keys: a copy of its prompt's rows, then its own), [5 6] (B)
+    buckets, keys, queries, scatter = seq_layout(pos)
+    assert [b[:3] for b in buckets] == [(1, 3, 3), (1, 2, 2), (1, 4, 2)]  # square ones first: A1, B; then A2
+    assert keys.tolist() == [0, 1, 2, 5, 6, 0, 1, 3, 4]  # A2's keys: its prompt's rows in front of its own
+    assert queries.tolist() == [0, 1, 2, 5, 6, 3, 4]  # A2 runs only its own queries
+    assert scatter.tolist() == [0, 1, 2, 5, 6, 3, 4]  # every token's output from its own row, never from the copy
+    assert buckets[2][3].tolist() == [[[[True, True, True, False], [True, True, True, True]]]]  # 2 prompt keys first
 
 
 def test_packed_logprobs_equal_plain_log_softmax(tiny):

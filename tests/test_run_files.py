@@ -183,7 +183,7 @@ def test_batch_metrics_by_hand():
     rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])  # [Q, G]: the second group is tied
     samples = [Sample([1, 2], [5, 9]), Sample([1, 2], [5]), Sample([3], [6, 6, 6]), Sample([3], [])]
     counts = {"timeout": 1, "error": 0, "no_answer": 2}
-    m = batch_metrics(rewards, samples, stop_ids=[9], reward_counts=counts)
+    m = batch_metrics(rewards, samples, stop_ids=[9], counts=counts)
     assert m["reward_mean"] == 0.75 and m["zero_std_groups"] == 0.5
     assert m["reward_std"] == pytest.approx(0.1875 ** 0.5)  # population std of 1, 0, 1, 1
     assert m["completion_len"] == 6 / 4 and m["tokens"] == 4 + 3 + 4 + 1
