@@ -478,7 +478,7 @@ def evaluate(engine, tokenizer, rows, max_tokens, seed):
 
 def load_tokenizer(path, trust_remote_code=False):
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # pads HF-generate batches only (not masks)
+    tokenizer.pad_token = tokenizer.eos_token if tokenizer.pad_token_id is None else tokenizer.pad_token  # generate()
     return tokenizer
 
 
