@@ -139,18 +139,18 @@ def mfu(n_params, tokens, seconds, peak_tflops):
     return 6 * n_params * tokens / seconds / 1e12 / peak_tflops
 
 
-def timed(call, repeats):
-    """(median seconds of `repeats` calls after a warm-up one, peak GiB on a GPU, the last call's result)."""
-    cuda = DEVICE.type == "cuda"
-    torch.cuda.reset_peak_memory_stats() if cuda else None
-    seconds = []
+def timed(calls, repeats):
+    """Per call: (median s of `repeats` runs after a warm-up, GPU peak GiB, last result), taking turns against drift."""
+    cuda, seconds, out = DEVICE.type == "cuda", [[] for _ in calls], [[0.0, None] for _ in calls]
     for _ in range(repeats + 1):
-        torch.cuda.synchronize() if cuda else None
-        t0 = time.perf_counter()
-        result = call()
-        torch.cuda.synchronize() if cuda else None
-        seconds.append(time.perf_counter() - t0)
-    return float(np.median(seconds[1:])), torch.cuda.max_memory_allocated() / 2**30 if cuda else None, result
+        for call, s, o in zip(calls, seconds, out):
+            (torch.cuda.reset_peak_memory_stats(), torch.cuda.synchronize()) if cuda else None
+            t0 = time.perf_counter()
+            o[1] = call()
+            torch.cuda.synchronize() if cuda else None
+            s.append(time.perf_counter() - t0)
+            o[0] = max(o[0], torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+    return [(float(np.median(s[1:])), o[0] if cuda else None, o[1]) for s, o in zip(seconds, out)]
 
 
 def step_section(args):
@@ -164,37 +164,40 @@ def step_section(args):
     optimizer, peak = torch.optim.AdamW(model.parameters(), lr=1e-6), None
     if DEVICE.type == "cuda":  # MFU's denominator: a dense bf16 matmul's TFLOP/s, measured
         a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
-        peak = 2 * 8192 ** 3 / timed(lambda: a @ a, 10)[0] / 1e12
+        peak = 2 * 8192 ** 3 / timed([lambda: a @ a], 10)[0][0] / 1e12
     packed = functools.partial(policy_update, clip=(0.2, 0.2), beta=0.0)
     layouts = [("padded", padded_update, args.attn)] * (not args.no_padded) + [("packed", packed, args.attn)]
     layouts += [("shared prompt", packed, "varlen")] * (args.attn == "varlen")  # only varlen can share
     samples = {mix: synthetic_samples(args.sequences, mix, vocab, args.step_group) for mix in args.lengths}
-    jobs = [(mix, budget, *layout) for mix in args.lengths for budget in args.budgets for layout in layouts]
     speed, ran = {}, []  # ran: the row tokens of each forward pass (padding included)
     model.get_decoder().register_forward_pre_hook(lambda _, a, k: ran.append(k["input_ids"].numel()), with_kwargs=True)
+
+    def one_update(update, attn, mix, passes):  # (its stats, the row tokens it ran)
+        model.set_attn_implementation(attn)
+        ran.clear()
+        return update(model, optimizer, samples[mix], passes), sum(ran)
     table = ["| lengths | layout | token budget | micro-batches | s / update | completion tokens/s | vs padded, "
              "packed (same budget) | bound: padded / packed tokens, scores | peak GiB | MFU |", "|" + "---|" * 10]
-    for mix, budget, layout, update, attn in tqdm(jobs, desc="bench: training step", dynamic_ncols=True):
+    for mix, budget in tqdm([(m, b) for m in args.lengths for b in args.budgets], desc="bench: training step"):
         lens = [len(s.prompt_ids) + len(s.completion_ids) for s in samples[mix]]
         done = sum(len(s.completion_ids) for s in samples[mix])  # the same work in every layout
-        model.set_attn_implementation(attn)
-        passes = Passes(1.0, vocab, budget, shared=layout == "shared prompt")
-        seconds, memory, stats = timed(functools.partial(update, model, optimizer, samples[mix], passes), args.repeats)
-        speed[mix, budget, layout] = done / seconds
-        ratio = ", ".join(f"{speed[mix, budget, layout] / speed[mix, budget, base]:.2f}x {base}"
-                          for base in ("padded", "packed") if (mix, budget, base) in speed and base != layout)
-        laid = sum(ran[-stats["micro_batches"]:])  # tokens the model ran in the last update, padding included
-        bound = layout != "padded" and "{:.2f}x, {:.2f}x".format(*padding_bound(lens, budget))
-        bound = f"{sum(lens) / laid:.2f}x tokens" if passes.shared else bound  # what laying prompts out once saves
-        gpu = f"{memory:.1f} | {mfu(n_params, laid, seconds, peak):.1%}" if peak else "- | -"
-        table.append(f"| {mix} ({done:,} of {sum(lens):,} tokens) | {layout} | {budget} | {stats['micro_batches']} | "
-                     f"{seconds:.3f} | {done / seconds:,.0f} | {ratio or '-'} | {bound or '-'} | {gpu} |")
+        passes = [Passes(1.0, vocab, budget, shared=layout == "shared prompt") for layout, *_ in layouts]
+        runs = timed([functools.partial(one_update, *job[1:], mix, p) for job, p in zip(layouts, passes)], args.repeats)
+        for (layout, *_), shared, (seconds, memory, (stats, laid)) in zip(layouts, [p.shared for p in passes], runs):
+            speed[mix, budget, layout] = done / seconds
+            ratio = ", ".join(f"{speed[mix, budget, layout] / speed[mix, budget, base]:.2f}x {base}"
+                              for base in ("padded", "packed") if (mix, budget, base) in speed and base != layout)
+            bound = layout != "padded" and "{:.2f}x, {:.2f}x".format(*padding_bound(lens, budget))
+            bound = f"{sum(lens) / laid:.2f}x tokens" if shared else bound  # what laying prompts out once saves
+            gpu = f"{memory:.1f} | {mfu(n_params, laid, seconds, peak):.1%}" if peak else "- | -"
+            table.append(f"| {mix} ({done:,} of {sum(lens):,} tokens) | {layout} | {budget} | {stats['micro_batches']}"
+                         f" | {seconds:.3f} | {done / seconds:,.0f} | {ratio or '-'} | {bound or '-'} | {gpu} |")
     print("\n".join(table))
     return ["## 1. The training update: padded, packed, shared prompt", "",
             f"{args.shape} shape ({n_params / 1e6:.1f}M parameters, random weights, fp32 master weights"
             f"{', bf16 autocast' if peak else ''}), one update over {args.sequences} completions, {args.step_group} "
             f"per prompt, attention {args.attn}{' (CPU: bucketed sdpa, GPU: flash)' * (args.attn == 'varlen')}, "
-            f"median of {args.repeats} timed updates after one warm-up"
+            f"median of {args.repeats} timed updates after one warm-up, the layouts taking turns"
             + (f"; measured bf16 matmul peak {peak:.0f} TFLOP/s." if peak else "."), "", *table, "",
             "Every layout computes the same gradient (tests/test_bench.py, tests/test_packing.py). *padded*: "
             "right-padded to the budget at the batch's longest, in rollout order; *packed*: first-fit decreasing, the "
@@ -497,8 +500,7 @@ def parse():
     a("--lengths", nargs="+", choices=list(LENGTHS), help="step: length mixes (toy shape: all, quick: toy; else gsm8k)")
     a("--sequences", type=int, default=256, help="step: completions per update (default 256)")
     a("--step_group", type=int, default=8, help="step: completions per prompt, G (default 8)")
-    a("--budgets", type=int, nargs="+", help="step: token budgets per micro-batch (default: 512 4096 16384 on "
-      "CPU, 4096 16384 32768 on GPU; --quick 512 4096 on CPU)")
+    a("--budgets", type=int, nargs="+", help="step: token budgets (default CPU 512 4096 16384, GPU 4096 16384 32768)")
     a("--attn", default="varlen", choices=["varlen", "sdpa", "eager"], help="step: attention (sdpa, eager: dense mask)")
     a("--repeats", type=int, help="step: timed updates after one warm-up (default 3, --quick 1)")
     a("--no_padded", action="store_true", help="step: skip the padded baseline")
@@ -554,8 +556,7 @@ def parse():
 
 def main():
     args = parse()
-    started, lines, figures = time.time(), [], {}
-    lines += step_section(args) if "step" in args.parts else []
+    started, figures, lines = time.time(), {}, step_section(args) if "step" in args.parts else []
     with tempfile.TemporaryDirectory(prefix="bench-runs-") as scratch:  # the runs, unless --runs keeps them
         os.makedirs(args.runs or scratch, exist_ok=True)
         results, kept = run_scripts(args, args.runs or scratch)

@@ -109,6 +109,19 @@ def test_mfu_by_hand():
     assert abs(mfu(1.5e9, 20_000, 2.0, 900.0) - 0.1) < 1e-12
 
 
+def test_timed_lets_the_calls_take_turns(monkeypatch):
+    """The layouts of one budget take turns (a warm-up round, then `repeats` timed rounds), so that a drift of the
+    machine's speed falls on each alike; each gets the median of its own timed runs, not of the warm-up."""
+    import bench
+    order, clock = [], iter([0, 9, 9, 18, 18, 19, 19, 21, 21, 22, 22, 25, 25, 26, 26, 27])  # perf_counter readings
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    calls = [lambda: order.append("a") or "A", lambda: order.append("b") or "B"]
+    (a_s, a_mem, a_out), (b_s, b_mem, b_out) = bench.timed(calls, 3)
+    assert order == ["a", "b"] * 4
+    assert (a_out, b_out, a_mem, b_mem) == ("A", "B", None, None)
+    assert (a_s, b_s) == (1.0, 2.0)  # a: 9 (warm-up), then 1, 1, 1; b: 9, then 2, 3, 1
+
+
 def test_ideal_ratios_and_the_ideal_step():
     from bench import ideal_ratios, ideal_step
     grpo = {"rollout_s": 1.0, "reward_s": 1.0, "logp_s": 2.0, "update_s": 4.0, "overhead_s": 0.0, "other_s": 2.0}
