@@ -183,12 +183,12 @@ def step_section(args):
         done = sum(len(s.completion_ids) for s in samples[mix])  # the same work in every layout
         passes = [Passes(1.0, vocab, budget, shared=layout == "shared prompt") for layout, *_ in layouts]
         runs = timed([functools.partial(one_update, *job[1:], mix, p) for job, p in zip(layouts, passes)], args.repeats)
-        for (layout, *_), shared, (seconds, memory, (stats, laid)) in zip(layouts, [p.shared for p in passes], runs):
+        for (layout, *_), p, (seconds, memory, (stats, laid)) in zip(layouts, passes, runs):
             speed[mix, budget, layout] = done / seconds
             ratio = ", ".join(f"{speed[mix, budget, layout] / speed[mix, budget, base]:.2f}x {base}"
                               for base in ("padded", "packed") if (mix, budget, base) in speed and base != layout)
             bound = layout != "padded" and "{:.2f}x, {:.2f}x".format(*padding_bound(lens, budget))
-            bound = f"{sum(lens) / laid:.2f}x tokens" if shared else bound  # what laying prompts out once saves
+            bound = f"{sum(lens) / laid:.2f}x tokens" if p.shared else bound  # what laying prompts out once saves
             gpu = f"{memory:.1f} | {mfu(n_params, laid, seconds, peak):.1%}" if peak else "- | -"
             table.append(f"| {mix} ({done:,} of {sum(lens):,} tokens) | {layout} | {budget} | {stats['micro_batches']}"
                          f" | {seconds:.3f} | {done / seconds:,.0f} | {ratio or '-'} | {bound or '-'} | {gpu} |")

@@ -227,14 +227,14 @@ def seq_layout(position_ids):
             groups.append([])
         groups[-1].append(i)
     buckets, keys, queries, dev = [], [], [], position_ids.device
-    for g in groups:  # rows right-padded with the sequence's last (a padded query's output is not used)
+    for g in groups:  # rows right-padded with the sequence's last: scatter reads each token's first (its own) row
         kw, qw = width[g[0]], max(own[i] for i in g)
         keys += [t for i in g for t in seqs[i] + [seqs[i][-1]] * (kw - width[i])]
         queries += [t for i in g for t in seqs[i][width[i] - own[i]:] + [seqs[i][-1]] * (qw - own[i])]
-        mask = np.arange(kw) <= np.array([width[i] - own[i] for i in g])[:, None, None, None] + np.arange(qw)[:, None]
-        buckets.append((len(g), kw, qw, torch.tensor(mask, device=dev) if shared[g[0]] else None))  # [b, 1, qw, kw]
-    scatter = np.unique(queries, return_index=True)[1]  # each token's output from its own row, not a padding copy
-    return buckets, *(torch.tensor(x, device=dev) for x in (keys, queries, scatter))
+        first = np.array([width[i] - own[i] for i in g])[:, None, None, None]  # keys in front of its first query
+        mask = torch.tensor(np.arange(kw) <= first + np.arange(qw)[:, None], device=dev) if shared[g[0]] else None
+        buckets.append((len(g), kw, qw, mask))  # mask [b, 1, qw, kw], built for the shared-prompt buckets only
+    return buckets, *(torch.tensor(x, device=dev) for x in (keys, queries, np.unique(queries, return_index=True)[1]))
 
 
 GQA = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}  # torch >= 2.12
