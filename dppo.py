@@ -7,7 +7,7 @@ the abstract alone: docs/dppo.md marks what the paper states and what is ours. R
 
 Run:
     python dppo.py                                    # the built-in toy, CPU, about a minute
-    python dppo.py --dataset chains                   # the second built-in task (two passes or more)
+    python dppo.py --dataset chains                   # the second built-in task (2+ passes)
     python dppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset math  # one 80 GB GPU with vLLM
 """
 import math
@@ -54,12 +54,15 @@ class Args:
     eps_high: float = arg(0.2, "clip the ratio above at 1 + eps_high (0.28 = DAPO's clip-higher)")
     beta: float = arg(0.04, "k3 KL coefficient to the frozen initial model (0 loads no reference)")
     mu: int = arg(1, "policy updates per rollout batch (> 1 adds an old-log-prob pass)")
-    loss_agg: str = arg("seq_mean", "loss aggregation: seq_mean (GRPO), token_mean (DAPO), constant "
-                                    "(Dr. GRPO)", choices=["seq_mean", "token_mean", "constant"])
+    loss_agg: str = arg("seq_mean", "loss aggregation: seq_mean (GRPO), token_mean (DAPO), "
+                                    "constant (Dr. GRPO)",
+                        choices=["seq_mean", "token_mean", "constant"])
     tis_cap: float = arg(0.0, "truncated IS cap on pi_trainer/pi_engine per token (0 = off)")
-    prune_prompts: float = arg(0.5, "r_q: probability of skipping a prompt whose last group had all-equal rewards")
+    prune_prompts: float = arg(0.5, "r_q: probability of skipping a prompt whose last group had "
+                                    "all-equal rewards")
     prune_completions: float = arg(0.5, "r_o: expected fraction of completions pruned (keep ~ |A|)")
-    keep_floor: float = arg(0.1, "smallest keep probability of a prompt or completion (1/pi <= 1/floor)")
+    keep_floor: float = arg(0.1,
+                            "smallest keep probability of a prompt or completion (1/pi <= 1/floor)")
     lookahead: float = arg(2.0, "refill pruned prompts from at most lookahead x B prompts per step")
     window: int = arg(64, "sequences the greedy packer looks ahead over to fill a micro-batch")
     # optimisation
@@ -75,19 +78,21 @@ class Args:
                                   "mask is a dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
     grad_ckpt: bool = arg(None, "gradient checkpointing (true/false)", shown="on for GPU")
-    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own: bucketed "
-                              "sdpa on CPU, flash on GPU), flash_attention_2 (needs flash-attn), sdpa or "
-                              "eager (a dense [T, T] mask)",
+    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own: "
+                              "bucketed sdpa on CPU, flash on GPU), flash_attention_2 (needs "
+                              "flash-attn), sdpa or eager (a dense [T, T] mask)",
                     choices=["varlen", "flash_attention_2", "sdpa", "eager"])
-    shared_prompt: bool = arg(True, "each prompt once before its completions in a packed row (varlen "
-                                    "only: sdpa, eager, flash_attention_2 repeat it per completion)")
+    shared_prompt: bool = arg(True,
+                              "each prompt once before its completions in a packed row (varlen "
+                              "only: sdpa, eager, flash_attention_2 repeat it per completion)")
     # evaluation and checkpoints
     eval_every: int = recipe_arg("eval_every", "greedy validation accuracy every N steps (0: start "
                                                "and end only); test accuracy once, at the end")
     eval_n: int = recipe_arg("eval_n", "validation and test problems per evaluation (the dataset's "
                                        "val.jsonl; without one, test.jsonl serves both)")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
-    time_budget: float = arg(0.0, "end the run once its summed step times reach this many seconds (0: off)")
+    time_budget: float = arg(0.0, "end the run once its summed step times reach this many "
+                                  "seconds (0: off)")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
                                          "packing needs it to honour position ids)")
 
@@ -121,7 +126,8 @@ def completion_keep_probs(advantages, r_o, floor):
     a = torch.as_tensor(advantages, dtype=torch.float64).abs().flatten()  # [n]
     target = (1 - r_o) * len(a)
     nonzero = int((a > 0).sum())
-    low = max(floor, min(1.0, (target - nonzero) / max(1, len(a) - nonzero)))  # raised if A != 0 are too few
+    # raised if A != 0 are too few
+    low = max(floor, min(1.0, (target - nonzero) / max(1, len(a) - nonzero)))
     lo, hi = 0.0, (1 / a[a > 0].min().item() if nonzero else 1.0)  # at c = hi every A != 0 has pi 1
     for _ in range(60):  # bisection: sum(pi) grows with c
         mid = (lo + hi) / 2
@@ -129,19 +135,23 @@ def completion_keep_probs(advantages, r_o, floor):
     return (hi * a).clamp(low, 1)  # [n]
 
 
-def importance_coefficients(lengths, prompt_pi, completion_pi, kept, n_examined, loss_agg, max_len):
-    """(c_i, w_i) of the kept completions: w = 1/(pi_q pi_i) over the counts of the unpruned examined
-    batch; lengths and completion_pi run over the rolled-out completions. docs/dppo.md#eq-estimator"""
+def importance_coefficients(lengths, prompt_pi, completion_pi, kept, n_examined, loss_agg,
+                            max_len):
+    """(c_i, w_i) of the kept completions: w = 1/(pi_q pi_i) over the counts of the unpruned
+    examined batch; lengths and completion_pi run over the rolled-out completions.
+    docs/dppo.md#eq-estimator"""
     G = len(lengths) // max(1, len(prompt_pi))
     weights = [1.0 / (prompt_pi[i // G] * completion_pi[i]) for i in kept]
-    # the examined batch's token count, estimated: exact when every pi_q = 1 (docs/dppo.md#eq-token-mean)
+    # the examined batch's token count, estimated: exact when every pi_q = 1
+    # (docs/dppo.md#eq-token-mean)
     tokens = sum(sum(lengths[q * G:(q + 1) * G]) / p for q, p in enumerate(prompt_pi))
-    return token_coefficients([lengths[i] for i in kept], loss_agg, max_len=max_len, num_seqs=n_examined * G,
-                              num_tokens=tokens, weights=weights), weights
+    return token_coefficients([lengths[i] for i in kept], loss_agg, max_len=max_len,
+                              num_seqs=n_examined * G, num_tokens=tokens, weights=weights), weights
 
 
 def packing_density(lengths, bins, budget):
-    """Valid tokens over micro-batch capacity: sum(lengths) / sum_b max(budget, load_b). docs/dppo.md#eq-density"""
+    """Valid tokens over micro-batch capacity: sum(lengths) / sum_b max(budget, load_b).
+    docs/dppo.md#eq-density"""
     return sum(lengths) / max(1, sum(max(budget, sum(lengths[i] for i in b)) for b in bins))
 
 
@@ -166,8 +176,10 @@ def window_pack(lengths, budget, window):
 
 def main():
     args = parse_args(Args, METHOD, __doc__)  # recipe defaults filled in, every flag checked
-    if not (0 <= args.prune_prompts < 1 and 0 <= args.prune_completions < 1 and 0 < args.keep_floor <= 1):
-        die("--prune_prompts and --prune_completions must be in [0, 1), --keep_floor in (0, 1] (got "
+    if not (0 <= args.prune_prompts < 1 and 0 <= args.prune_completions < 1
+            and 0 < args.keep_floor <= 1):
+        die("--prune_prompts and --prune_completions must be in [0, 1), "
+            "--keep_floor in (0, 1] (got "
             f"{args.prune_prompts}, {args.prune_completions}, {args.keep_floor})")  # every pi > 0
     if not (args.window >= 1 and args.lookahead >= 1):
         die(f"--window and --lookahead must be at least 1 (got {args.window}, {args.lookahead})")
@@ -180,19 +192,24 @@ def main():
     cursor = run.cursor
     B = args.prompts_per_step
     G = args.group_size
-    history = run.state.get("history", {})  # row -> did its last group tie? docs/dppo.md#eq-prompt-keep
+    # row -> did its last group tie? docs/dppo.md#eq-prompt-keep
+    history = run.state.get("history", {})
 
     # ---------------------------------------------------------------- training loop
     bar = tqdm(range(run.start, run.steps), initial=run.start, total=run.steps, desc=METHOD,
                dynamic_ncols=True)
     for step in bar:
         timer = PhaseTimer()
-        # 1. prompt pruning with refill (docs/dppo.md#eq-refill), then G completions for each kept prompt
+        # 1. prompt pruning with refill (docs/dppo.md#eq-refill),
+        # then G completions for each kept prompt
         with timer("rollout"):
             rng = np.random.default_rng([args.seed, step])  # the masks: reproducible on resume
-            cap = math.ceil(args.lookahead * B)  # + 1/floor more prompts: enough for pi summing to 1
-            stream = take_prompts(len(train_rows), cursor, cap + math.ceil(1 / args.keep_floor), args.seed)
-            examined, prompt_pi = candidate_window(stream, history, B, args.prune_prompts, args.keep_floor, cap)
+            # + 1/floor more prompts: enough for pi summing to 1
+            cap = math.ceil(args.lookahead * B)
+            stream = take_prompts(len(train_rows), cursor, cap + math.ceil(1 / args.keep_floor),
+                                  args.seed)
+            examined, prompt_pi = candidate_window(stream, history, B, args.prune_prompts,
+                                                   args.keep_floor, cap)
             cursor += len(examined)  # pruned prompts are skipped for this epoch
             kept_q = systematic_sample(prompt_pi, rng.random())  # docs/dppo.md#eq-draw
             rows = [examined[k] for k in kept_q]
@@ -206,20 +223,24 @@ def main():
         with timer("reward"):
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
-            rewards, reward_counts = score(texts, [batch[k // G]["gold"] for k in range(len(texts))])
+            rewards, reward_counts = score(texts, [batch[k // G]["gold"]
+                                                   for k in range(len(texts))])
             rewards = torch.tensor(rewards).view(-1, G)  # [B', G]
             advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [B', G]
             samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(),
                               advantages[q, i].item(), logps)
                        for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]
             update_history(history, rows, rewards)
-            # completion pruning on the full groups' advantages, importance weights (docs/dppo.md#eq-estimator)
-            completion_pi = completion_keep_probs(advantages, args.prune_completions, args.keep_floor).tolist()
+            # completion pruning on the full groups' advantages, importance weights
+            # (docs/dppo.md#eq-estimator)
+            completion_pi = completion_keep_probs(advantages, args.prune_completions,
+                                                  args.keep_floor).tolist()
             kept_o = systematic_sample(completion_pi, rng.random())
-            coefs, weights = importance_coefficients([len(s.completion_ids) for s in samples], prompt_pi,
-                                                     completion_pi, kept_o, len(examined), args.loss_agg,
-                                                     args.max_tokens)
-            rolled, samples = samples, [samples[i] for i in kept_o]  # the trainer sees the kept ones only
+            coefs, weights = importance_coefficients([len(s.completion_ids) for s in samples],
+                                                     prompt_pi, completion_pi, kept_o,
+                                                     len(examined), args.loss_agg, args.max_tokens)
+            # the trainer sees the kept ones only
+            rolled, samples = samples, [samples[i] for i in kept_o]
             for s, c in zip(samples, coefs.tolist()):
                 s.coef = c
 
@@ -233,7 +254,8 @@ def main():
                     s.ref_logps = lp
         with timer("pack"):  # the update's micro-batches (docs/dppo.md#eq-density)
             lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-            bins = [sorted(b) for b in window_pack(lengths, args.token_budget, args.window)]  # a group together
+            # a group together
+            bins = [sorted(b) for b in window_pack(lengths, args.token_budget, args.window)]
         passes = run.passes._replace(pack=lambda *_: bins)  # the update packs as window_pack did
         with timer("update"):
             for _ in range(args.mu):
@@ -263,11 +285,12 @@ def main():
             "pack_micro_batches": len(bins),
             **timer.seconds(),
         }
-        if finish_step(run, bar, row, cursor, {"history": history}):  # evaluate, log, checkpoint; True at the end
+        # evaluate, log, checkpoint; True at the end
+        if finish_step(run, bar, row, cursor, {"history": history}):
             break
     bar.close()
-    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) after {run.steps} steps; "
-          f"metrics, plot and checkpoint in {args.out}")
+    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) "
+          f"after {run.steps} steps; metrics, plot and checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

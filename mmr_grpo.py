@@ -11,8 +11,9 @@ deviation from the paper and its code are in docs/mmr_grpo.md.
 Run:
     python mmr_grpo.py                                 # the toy, CPU, the toy policy as encoder
     python mmr_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset gsm8k  # encoder: MiniLM
-    python mmr_grpo.py --embed_model jinaai/jina-embeddings-v2-small-en --trust_remote_code  # paper's
+    python mmr_grpo.py --embed_model jinaai/jina-embeddings-v2-small-en --trust_remote_code
     python mmr_grpo.py --resume runs/mmr_grpo-gsm8k-20261122-101500  # continue an interrupted run
+The third line is the paper's encoder.
 """
 import math
 import os
@@ -57,8 +58,9 @@ class Args:
     eps_high: float = arg(0.2, "clip the ratio above at 1 + eps_high (0.28 = DAPO's clip-higher)")
     beta: float = arg(0.04, "k3 KL coefficient to the frozen initial model (0 loads no reference)")
     mu: int = arg(1, "policy updates per rollout batch (> 1 adds an old-log-prob pass)")
-    loss_agg: str = arg("seq_mean", "loss aggregation: seq_mean (GRPO), token_mean (DAPO), constant "
-                                    "(Dr. GRPO)", choices=["seq_mean", "token_mean", "constant"])
+    loss_agg: str = arg("seq_mean", "loss aggregation: seq_mean (GRPO), token_mean (DAPO), "
+                                    "constant (Dr. GRPO)",
+                        choices=["seq_mean", "token_mean", "constant"])
     tis_cap: float = arg(0.0, "truncated IS cap on pi_trainer/pi_engine per token (0 = off)")
     # optimisation
     steps: int = recipe_arg("steps", "training steps (0 = one pass over the training prompts)")
@@ -73,19 +75,21 @@ class Args:
                                   "mask is a dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
     grad_ckpt: bool = arg(None, "gradient checkpointing (true/false)", shown="on for GPU")
-    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own: bucketed "
-                              "sdpa on CPU, flash on GPU), flash_attention_2 (needs flash-attn), sdpa or "
-                              "eager (a dense [T, T] mask)",
+    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own: "
+                              "bucketed sdpa on CPU, flash on GPU), flash_attention_2 (needs "
+                              "flash-attn), sdpa or eager (a dense [T, T] mask)",
                     choices=["varlen", "flash_attention_2", "sdpa", "eager"])
-    shared_prompt: bool = arg(True, "each prompt once before its completions in a packed row (varlen "
-                                    "only: sdpa, eager, flash_attention_2 repeat it per completion)")
+    shared_prompt: bool = arg(True,
+                              "each prompt once before its completions in a packed row (varlen "
+                              "only: sdpa, eager, flash_attention_2 repeat it per completion)")
     # evaluation and checkpoints
     eval_every: int = recipe_arg("eval_every", "greedy validation accuracy every N steps (0: start "
                                                "and end only); test accuracy once, at the end")
     eval_n: int = recipe_arg("eval_n", "validation and test problems per evaluation (the dataset's "
                                        "val.jsonl; without one, test.jsonl serves both)")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
-    time_budget: float = arg(0.0, "end the run once its summed step times reach this many seconds (0: off)")
+    time_budget: float = arg(0.0, "end the run once its summed step times reach this many "
+                                  "seconds (0: off)")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
                                          "packing needs it to honour position ids)")
     # MMR reweighting: docs/mmr_grpo.md
@@ -165,7 +169,8 @@ def mmr_reweight(rewards, embeddings, floor=True):
 
 def encoder_recipe(flags):
     """The default encoder: a built-in task's own base model (toy, chains), else MiniLM."""
-    return {"embed_model": flags["dataset"] if "model" in DATASETS.get(flags["dataset"], {}) else MINILM}
+    return {"embed_model": flags["dataset"] if "model" in DATASETS.get(flags["dataset"], {})
+                           else MINILM}
 
 
 def main():
@@ -205,7 +210,8 @@ def main():
         with timer("reward"):
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
-            rewards, reward_counts = score(texts, [batch[k // G]["gold"] for k in range(len(texts))])
+            rewards, reward_counts = score(texts, [batch[k // G]["gold"]
+                                                   for k in range(len(texts))])
             rewards = torch.tensor(rewards).view(B, G)  # [B, G]
         with timer("mmr"):  # [B, G], [B], [B, G, G]
             mmr, lam, sim = mmr_reweight(rewards, embed(encoder, texts), args.sim_floor)
@@ -257,8 +263,8 @@ def main():
         if finish_step(run, bar, row, cursor):  # evaluate, log, checkpoint; True at the end
             break
     bar.close()
-    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) after {run.steps} steps; "
-          f"metrics, plot and checkpoint in {args.out}")
+    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) "
+          f"after {run.steps} steps; metrics, plot and checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

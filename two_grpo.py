@@ -43,8 +43,9 @@ class Args:
     # rollout
     rollout: str = arg("auto", "engine: vllm, hf (transformers), auto (vllm if installed)",
                        choices=["auto", "vllm", "hf"])
-    prompts_per_step: int = arg(None, "B: prompts per step", shown="256 (16-GRPO's 32 x 16 rollouts); "
-                                "toy and chains: grpo.py's B x 8 rollouts in pairs")
+    prompts_per_step: int = arg(None, "B: prompts per step",
+                                shown="256 (16-GRPO's 32 x 16 rollouts); "
+                                      "toy and chains: grpo.py's B x 8 rollouts in pairs")
     group_size: int = arg(2, "G: completions sampled per prompt (the method is G = 2)")
     temperature: float = arg(1.0, "sampling temperature (the trainer divides its logits by it too)")
     max_tokens: int = recipe_arg("max_tokens", "maximum completion length in tokens")
@@ -81,19 +82,21 @@ class Args:
                                   "mask is a dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
     grad_ckpt: bool = arg(None, "gradient checkpointing (true/false)", shown="on for GPU")
-    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own: bucketed "
-                              "sdpa on CPU, flash on GPU), flash_attention_2 (needs flash-attn), sdpa or "
-                              "eager (a dense [T, T] mask)",
+    attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own: "
+                              "bucketed sdpa on CPU, flash on GPU), flash_attention_2 (needs "
+                              "flash-attn), sdpa or eager (a dense [T, T] mask)",
                     choices=["varlen", "flash_attention_2", "sdpa", "eager"])
-    shared_prompt: bool = arg(True, "each prompt once before its completions in a packed row (varlen "
-                                    "only: sdpa, eager, flash_attention_2 repeat it per completion)")
+    shared_prompt: bool = arg(True,
+                              "each prompt once before its completions in a packed row (varlen "
+                              "only: sdpa, eager, flash_attention_2 repeat it per completion)")
     # evaluation and checkpoints
     eval_every: int = recipe_arg("eval_every", "greedy validation accuracy every N steps (0: start "
                                                "and end only); test accuracy once, at the end")
     eval_n: int = recipe_arg("eval_n", "validation and test problems per evaluation (the dataset's "
                                        "val.jsonl; without one, test.jsonl serves both)")
     save_every: int = arg(50, "checkpoint every N steps (and at the end)")
-    time_budget: float = arg(0.0, "end the run once its summed step times reach this many seconds (0: off)")
+    time_budget: float = arg(0.0, "end the run once its summed step times reach this many "
+                                  "seconds (0: off)")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
                                          "packing needs it to honour position ids)")
 
@@ -109,7 +112,8 @@ def prompts_to_draw(missing, mixed, drawn, cap, cap_factor):
 def rows_to_train(samples, loss_agg, max_len, num_seqs, skip_tied):
     """(indices, coefficients) of the rollouts the trainer must see. With beta = 0 a zero-advantage
     rollout has zero loss and gradient: skipping it keeps the update if the normaliser still counts
-    it. An all-tied batch keeps one row, whose zero gradient moves Adam. docs/two_grpo.md#skip-tied"""
+    it. An all-tied batch keeps one row, whose zero gradient moves Adam.
+    docs/two_grpo.md#skip-tied"""
     coefs = token_coefficients([len(s.completion_ids) for s in samples], loss_agg, max_len=max_len,
                                num_seqs=num_seqs)
     keep = [i for i, s in enumerate(samples) if s.advantage != 0 or not skip_tied] or [0]
@@ -129,7 +133,8 @@ def scaled_recipe(grpo_prompts, grpo_lr, dataset, prompts=None):
 def pair_recipe(flags):
     """The defaults of B and lr: scaled_recipe of the dataset's GRPO recipe and the B given."""
     grpo = {**RECIPE, **DATASETS.get(flags["dataset"], {})}
-    B, lr = scaled_recipe(grpo["prompts_per_step"], grpo["lr"], flags["dataset"], flags["prompts_per_step"])
+    B, lr = scaled_recipe(grpo["prompts_per_step"], grpo["lr"], flags["dataset"],
+                          flags["prompts_per_step"])
     return {"prompts_per_step": B, "lr": lr}
 
 
@@ -170,7 +175,8 @@ def main():
             cursor += n
             with timer("rollout"):  # new seed slots each round
                 out = engine.generate([r["prompt_ids"] for r in new], G, args.temperature,
-                                      args.max_tokens, seed=rollout_seed(args.seed, step, len(batch) * G))
+                                      args.max_tokens,
+                                      seed=rollout_seed(args.seed, step, len(batch) * G))
             with timer("reward"):
                 texts = tokenizer.batch_decode([ids for group in out for ids, _ in group],
                                                skip_special_tokens=True)
@@ -240,8 +246,8 @@ def main():
         if finish_step(run, bar, row, cursor):  # evaluate, log, checkpoint; True at the end
             break
     bar.close()
-    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) after {run.steps} steps; "
-          f"metrics, plot and checkpoint in {args.out}")
+    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) "
+          f"after {run.steps} steps; metrics, plot and checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

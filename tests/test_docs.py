@@ -1,5 +1,5 @@
-"""Docs and code point at each other: every docs/<file>.md#anchor cited in code exists, and every equation anchor
-(eq-...) in the docs names, in its section, a function that the code defines."""
+"""Docs and code point at each other: every docs/<file>.md#anchor cited in code exists, and every
+equation anchor (eq-...) in the docs names, in its section, a function that the code defines."""
 import glob
 import os
 import re
@@ -19,7 +19,8 @@ def anchors(doc_text):
 
 
 def test_every_cited_anchor_exists():
-    cited = {(d, a) for text in sources().values() for d, a in re.findall(r"(docs/[\w\-]+\.md)#([\w\-.]+)", text)}
+    cited = {(d, a) for text in sources().values()
+             for d, a in re.findall(r"(docs/[\w\-]+\.md)#([\w\-.]+)", text)}
     assert cited, "the code cites no docs anchors"
     for doc, anchor in sorted(cited):
         path = os.path.join(REPO, doc)
@@ -28,18 +29,22 @@ def test_every_cited_anchor_exists():
 
 
 def test_every_equation_names_a_function_the_code_defines():
-    defined = {name for text in sources().values() for name in re.findall(r"^\s*(?:def|class) (\w+)", text, re.M)}
+    defined = {name for text in sources().values()
+               for name in re.findall(r"^\s*(?:def|class) (\w+)", text, re.M)}
     for doc in glob.glob(os.path.join(REPO, "docs", "*.md")):
         text = open(doc).read()
         parts = re.split(r'<a id="(eq-[\w\-]+)"></a>', text)
         for anchor, body in zip(parts[1::2], parts[2::2]):
             section = body.split('<a id="')[0]
-            named = set(re.findall(r"`(\w+)(?:\(|`)", section)) | set(re.findall(r"\((\w+)[,)]", section))
-            assert named & defined, f"{os.path.basename(doc)}#{anchor} names no function of the code"
+            named = (set(re.findall(r"`(\w+)(?:\(|`)", section))
+                     | set(re.findall(r"\((\w+)[,)]", section)))
+            assert named & defined, (
+                f"{os.path.basename(doc)}#{anchor} names no function of the code")
 
 
 def test_relative_links_resolve():
-    """README.md and docs/*.md link both ways (map <-> method pages <-> results): no link may point at nothing."""
+    """README.md and docs/*.md link both ways (map <-> method pages <-> results): no link may point
+    at nothing."""
     pages = [os.path.join(REPO, "README.md")] + glob.glob(os.path.join(REPO, "docs", "*.md"))
     for page in pages:
         text = open(page).read()
@@ -50,16 +55,19 @@ def test_relative_links_resolve():
             full = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
             assert os.path.exists(full), f"{os.path.relpath(page, REPO)} links to missing {target}"
             if anchor and full.endswith(".md"):
-                assert anchor in anchors(open(full).read()), f"{os.path.relpath(page, REPO)} links to missing {target}"
+                assert anchor in anchors(open(full).read()), (
+                    f"{os.path.relpath(page, REPO)} links to missing {target}")
     for doc in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
         text = open(os.path.join(REPO, "docs", f"{doc}.md")).read()
-        assert "](README.md)" in text and "](results.md)" in text, f"docs/{doc}.md does not link back to the map"
+        assert "](README.md)" in text and "](results.md)" in text, (
+            f"docs/{doc}.md does not link back to the map")
 
 
 def test_the_maps_equation_table_names_what_each_file_holds():
-    """docs/README.md's equation map says which file implements each equation ('`token_loss` in [common.py]'): every
-    name it gives must be a function, class or constant of that file (or, for an argument or a logged key such as
-    `is_weight`, a word in it), so a moved or renamed function cannot leave the map behind."""
+    """docs/README.md's equation map says which file implements each equation
+    ('`token_loss` in [common.py]'): every name it gives must be a function, class or constant of
+    that file (or, for an argument or a logged key such as `is_weight`, a word in it), so a moved or
+    renamed function cannot leave the map behind."""
     text = open(os.path.join(REPO, "docs", "README.md")).read()
     table = text.split("## Equation map")[1].split("\n## ")[0]
     checked = 0
@@ -72,6 +80,7 @@ def test_the_maps_equation_table_names_what_each_file_holds():
             defined = set(re.findall(r"^(?:def|class) (\w+)|^(\w+) =", source, re.M))
             defined = {name for pair in defined for name in pair if name}
             for name in re.findall(r"`(\w+)`", part.split(" in [")[0] if " in [" in part else part):
-                assert name in defined or re.search(rf"\b{name}\b", source), f"{name} is not in {found.group(1)}"
+                assert name in defined or re.search(rf"\b{name}\b", source), (
+                    f"{name} is not in {found.group(1)}")
                 checked += 1
     assert checked > 40

@@ -2,11 +2,12 @@
 
 Each test names the doc section, recomputes its numbers from first principles (plain Python and
 numpy, independent of the scripts) and calls `printed(doc, template, *values)`. The template is the
-doc's text with `@` where a number stands. What is checked is the numbers: each must stand in the doc
-beside the words next to it in the template (up to WINDOW characters on each side, whitespace and line
-breaks ignored) and equal the recomputed value at the precision it is printed with, so the test fails
-when a number or its arithmetic drifts, not when the prose around it is reworded. Measured numbers
-(timings, accuracies) are not recomputed, only what the docs derive from them. CPU, < 1 s.
+doc's text with `@` where a number stands. What is checked is the numbers: each must stand in the
+doc beside the words next to it in the template (up to WINDOW characters on each side, whitespace
+and line breaks ignored) and equal the recomputed value at the precision it is printed with, so the
+test fails when a number or its arithmetic drifts, not when the prose around it is reworded.
+Measured numbers (timings, accuracies) are not recomputed, only what the docs derive from them.
+CPU, < 1 s.
 """
 import functools
 import json
@@ -44,8 +45,9 @@ WINDOW = 24  # characters of the template kept on each side of a number
 
 
 def beside(text, left, right):
-    """The regex for a piece of the template between numbers: the WINDOW characters next to each number it
-    touches (`left`: a number before it, `right`: one after it); between two numbers far apart, any text."""
+    """The regex for a piece of the template between numbers: the WINDOW characters next to each
+    number it touches (`left`: a number before it, `right`: one after it); between two numbers far
+    apart, any text."""
     if left and right and len(text) > 2 * WINDOW:
         return re.escape(text[:WINDOW]) + r".{0,400}?" + re.escape(text[-WINDOW:])
     if left and right:
@@ -54,8 +56,8 @@ def beside(text, left, right):
 
 
 def printed(name, template, *values):
-    """Assert that docs/<name> prints each `@` of `template` as a number equal to its value as printed, beside the
-    words next to it in the template."""
+    """Assert that docs/<name> prints each `@` of `template` as a number equal to its value as
+    printed, beside the words next to it in the template."""
     parts = " ".join(template.split()).split("@")
     assert values and len(parts) == len(values) + 1, "one value per @, and at least one"
     n = len(parts)
@@ -116,10 +118,12 @@ def test_grpo_bf16_resolution():
 def test_two_grpo_group_advantages_of_a_pair():
     """two_grpo.md §1: population std gives ±1, the unbiased std ±1/√2, eps > 0 1/(1 + 2 eps)."""
     assert list(advantages([1, 0], "population", 0)) == [1, -1]
-    printed("two_grpo.md", "A = ±1/√2 ≈ @, not the paper's ±1", advantages([1, 0], "unbiased", 0)[0])
+    printed("two_grpo.md", "A = ±1/√2 ≈ @, not the paper's ±1",
+            advantages([1, 0], "unbiased", 0)[0])
     eps = 0.01
     assert math.isclose(advantages([1, 0], "population", eps)[0], 1 / (1 + 2 * eps))
-    printed("two_grpo.md", "would give 1/(1 + 2·eps) instead of @)", advantages([1, 0], "population", 0)[0])
+    printed("two_grpo.md", "would give 1/(1 + 2·eps) instead of @)",
+            advantages([1, 0], "population", 0)[0])
 
 
 def test_two_grpo_tied_pair_probabilities():
@@ -135,18 +139,22 @@ def test_two_grpo_tied_pair_probabilities():
 def test_two_grpo_batch_and_learning_rate():
     """two_grpo.md §4-§5: 512 rollouts either way; the linearly scaled learning rates."""
     assert 256 * 2 == 32 * 16 == 512 and 128 * 2 == 32 * 8 == 256
-    printed("two_grpo.md", "keep @ rollouts per mini-batch, as @ × 2 instead of @ × 16", 512, 256, 32)
+    printed("two_grpo.md", "keep @ rollouts per mini-batch, as @ × 2 instead of @ × 16",
+            512, 256, 32)
     printed("two_grpo.md", "| rollouts per step | @ × 2 = @ (16-GRPO: @ × 16) | @ × 2 | "
             "@ × 2 = @ (`grpo.py` toy: @ × 8) |", 256, 512, 32, 256, 128, 256, 32)
-    printed("two_grpo.md", "| GRPO recipe 1e-6 × 256/32 = @ | toy GRPO rate 3e-4, unscaled (§9) |", 1e-6 * 256 / 32)
+    printed("two_grpo.md", "| GRPO recipe 1e-6 × 256/32 = @ | toy GRPO rate 3e-4, unscaled (§9) |",
+            1e-6 * 256 / 32)
     printed("two_grpo.md", "On the toy the rule gives @, which learns fast", 3e-4 * 128 / 32)
     printed("two_grpo.md", "| @ | the paper's linear scaling (×@) |", 3e-4 * 128 / 32, 128 // 32)
-    printed("two_grpo.md", "| @ | square-root scaling (×@) |", 3e-4 * (128 / 32) ** 0.5, int((128 / 32) ** 0.5))
+    printed("two_grpo.md", "| @ | square-root scaling (×@) |", 3e-4 * (128 / 32) ** 0.5,
+            int((128 / 32) ** 0.5))
     printed("two_grpo.md", "(`--prompts_per_step 64` gets @×;", 64 // 32)
 
 
 def test_two_grpo_resample_cap_and_toy_arithmetic():
-    """two_grpo.md §7 and §9: the cap is 16-GRPO's budget; the toy's trained share; RS at the cap."""
+    """two_grpo.md §7 and §9: the cap is 16-GRPO's budget; the toy's trained share; RS at the
+    cap."""
     B, G, cap = 128, 2, 8
     printed("two_grpo.md", "The cap defaults to @: B·G·8 rollouts is what @-GRPO would spend",
             cap, G * cap)
@@ -176,7 +184,8 @@ def official_cppo(G, P):
 def test_cppo_minority_outcome_is_kept():
     """cppo.md §1 and §4: |A| for one right answer in 16 (eps 1e-4) and for 8; what k = 2 keeps."""
     a = advantages([1] + [0] * 15)
-    printed("cppo.md", "one right answer gives A = @ for it and @ for the fifteen others", a[0], a[1])
+    printed("cppo.md", "one right answer gives A = @ for it and @ for the fifteen others",
+            a[0], a[1])
     printed("cppo.md", "a group with one right answer in 16 (|A| = @ and @) keeps its right answer "
             "before any member of a group with 8 right (|A| ≈ @)",
             a[0], -a[1], advantages([1] * 8 + [0] * 8)[0])
@@ -232,8 +241,8 @@ def test_cppo_defaults_and_float_rounding():
     B, G, P = 8, 16, 0.875
     k = round(G * (1 - P))
     Q = math.ceil(B * G / k)
-    printed("cppo.md", "With the defaults B = 8, G = 16, P = 0.875: Q = @ questions, @ rollouts and "
-            "@ kept rows per step", Q, Q * G, Q * k)
+    printed("cppo.md", "With the defaults B = 8, G = 16, P = 0.875: Q = @ questions, @ rollouts "
+            "and @ kept rows per step", Q, Q * G, Q * k)
     assert repr(100 * 0.29) == "28.999999999999996"
     assert int(100 * 0.29) == 28 and int(100 * 0.29 + 1e-6) == 29
     printed("cppo.md", "in floating point 100 × 0.29 = 28.999999999999996, so the official "
@@ -241,10 +250,10 @@ def test_cppo_defaults_and_float_rounding():
     with open(os.path.join(REPO, "toy", "data", "train.jsonl"), encoding="utf-8") as f:
         train = sum(1 for line in f if line.strip())
     steps, mu = 40, 2
-    printed("cppo.md", "a step samples @ questions × 16 = @ completions and trains two updates on @ "
-            "of them. 40 steps visit @ questions (@ passes over the @ training problems) against "
-            "`grpo.py`'s @, and take @ optimiser steps of @ rows against its 40 of @. The warm-up is "
-            "round(0.1 × @) = @ optimiser steps",
+    printed("cppo.md", "a step samples @ questions × 16 = @ completions and trains two updates on "
+            "@ of them. 40 steps visit @ questions (@ passes over the @ training problems) against "
+            "`grpo.py`'s @, and take @ optimiser steps of @ rows against its 40 of @. The warm-up "
+            "is round(0.1 × @) = @ optimiser steps",
             Q, Q * G, Q * k, steps * Q, steps * Q / train, train, steps * 32, steps * mu, Q * k,
             32 * 8, steps * mu, round(0.1 * steps * mu))
 
@@ -296,7 +305,8 @@ def test_dppo_lookahead_and_weights():
     """dppo.md §3, §4, §10, §12 and §15: lookahead, weight bounds, the toy's epochs."""
     floor = 0.1
     assert 2 * max(floor, 1 - 0.5) == 1 and 4 * max(floor, 1 - 0.75) == 1
-    printed("dppo.md", "(@ by default: with r_q = @ and every prompt tied, 2B prompts have Σ π = B)",
+    printed("dppo.md", "(@ by default: with r_q = @ and every prompt tied, 2B prompts have "
+            "Σ π = B)",
             1 / max(floor, 1 - 0.5), 0.5)
     printed("dppo.md", "@ would cover r_q = @", 1 / max(floor, 1 - 0.75), 0.75)
     printed("dppo.md", "(1/floor² combined: @ at the default @)", 1 / floor ** 2, floor)
@@ -313,8 +323,9 @@ def test_dppo_lookahead_and_weights():
 
 
 def test_dppo_trained_fraction():
-    """dppo.md §14 and §15: config.json's ideal_trained_fraction is 1 − r_o; the toy's fixed-size draw
-    (r_o = 0.5, 32 × 8 completions) keeps floor or ceil of (1 − r_o)·256 = 128 of them (unless the floor binds)."""
+    """dppo.md §14 and §15: config.json's ideal_trained_fraction is 1 − r_o; the toy's fixed-size
+    draw (r_o = 0.5, 32 × 8 completions) keeps floor or ceil of (1 − r_o)·256 = 128 of them (unless
+    the floor binds)."""
     r_o, n = 0.5, 32 * 8
     assert math.floor((1 - r_o) * n) == math.ceil((1 - r_o) * n) == 128
     printed("dppo.md", "(`completion_keep_frac` @ every step)", 128 / n)
@@ -421,7 +432,8 @@ def test_mmr_worked_table():
                 f"{'all 0' if not last else '@'} |", lam, *new, *advantages(new), *last)
     _, new, _ = mmr([1] * 6, s)
     mean, std = float(np.mean(new)), float(np.std(new, ddof=1))
-    printed("mmr_grpo.md", "The mean is @/6 = @, the unbiased std @, so A₀ = (1 − @)/(@ + 1e-4) = @.",
+    printed("mmr_grpo.md", "The mean is @/6 = @, the unbiased std @, so "
+            "A₀ = (1 − @)/(@ + 1e-4) = @.",
             sum(new), mean, std, mean, std, (1 - mean) / (std + 1e-4))
     printed("mmr_grpo.md", "distinct completion 3 scores 0.5·1 − 0.5·0.5 = @ and each paraphrase "
             "0.5·1 − 0.5·0.9 = @", 0.5 - 0.25, 0.5 - 0.45)
@@ -432,7 +444,8 @@ def test_mmr_worked_table():
             "scores −@·0.5 = @, the wrong paraphrases −@·0.9 = @;",
             lam, 1 - lam, new[1], 1 - lam, new[3], 1 - lam, new[4])
     assert order == [0, 1, 2, 3, 4, 5]
-    printed("mmr_grpo.md", "the picks come in the order @, @, @, @, @ and keep those scores", *order[1:])
+    printed("mmr_grpo.md", "the picks come in the order @, @, @, @, @ and keep those scores",
+            *order[1:])
     printed("mmr_grpo.md", "the seed receives a large positive advantage (@ in the worked example)",
             advantages(mmr([0] * 6, s)[1])[0])
     printed("mmr_grpo.md", "(@ vs 1 for a paraphrase in the worked example)", new[1])
@@ -464,17 +477,22 @@ def test_mmr_batch_sizes_and_toy_arithmetic():
     printed("mmr_grpo.md", "so **MMR costs ≈ @% of a toy step**", 100 * 0.099 / 1.96)
 
 
-# ------------------------------------------------------------------------------------ the chains runs
-# docs/results/runs-chains.json keeps a summary of every chains run bench.py made (its flags; its validation curve as
-# (step, accuracy, training s so far, rollouts so far) at each evaluation; its test accuracy at the end). What the
-# pages say about the runs is recomputed from it here, with this file's own arithmetic, not bench.py's.
+# ------------------------------------------------------------------------------------
+# the chains runs
+# docs/results/runs-chains.json keeps a summary of every chains run bench.py made (its flags; its
+# validation curve as (step, accuracy, training s so far, rollouts so far) at each evaluation; its
+# test accuracy at the end). What the pages say about the runs is recomputed from it here, with
+# this file's own arithmetic, not bench.py's.
 
 TARGET, BUDGET, LEAST_SEEDS = 0.85, 201, 6
 METHODS = ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]
-VERDICT = r"\]: ([a-z ]+?(?: at \d+ seeds)?) \|"  # a table cell's word after its interval (`printed` keeps few)
-WORDS = {"final test accuracy": ("more accurate", "less accurate"), f"steps to {TARGET}": ("more steps", "fewer steps"),
-         f"training s to {TARGET}": ("slower", "faster"), f"test accuracy at {BUDGET} s": ("more accurate",
-                                                                                    "less accurate")}
+# a table cell's word after its interval (`printed` keeps few)
+VERDICT = r"\]: ([a-z ]+?(?: at \d+ seeds)?) \|"
+WORDS = {"final test accuracy": ("more accurate", "less accurate"),
+         f"steps to {TARGET}": ("more steps", "fewer steps"),
+         f"training s to {TARGET}": ("slower", "faster"),
+         f"test accuracy at {BUDGET} s": ("more accurate",
+                                          "less accurate")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -491,10 +509,13 @@ def seeds():
 def chains_metrics(method):
     """{metric: {seed: value}} of a method's chains runs, as the pages name the metrics."""
     runs = {s: kept_runs()[f"learning {method} {s}"] for s in seeds()}
-    reached = {s: next((p for p in run["curve"] if p[1] >= TARGET), None) for s, run in runs.items()}
-    budget = {s: (runs[s] if method == "grpo" else kept_runs()[f"budget {method} {s}"])["test"] for s in seeds()}
+    reached = {s: next((p for p in run["curve"] if p[1] >= TARGET), None)
+               for s, run in runs.items()}
+    budget = {s: (runs[s] if method == "grpo" else kept_runs()[f"budget {method} {s}"])["test"]
+              for s in seeds()}
     return {"final test accuracy": {s: run["test"] for s, run in runs.items()},
-            "best validation accuracy": {s: max(p[1] for p in run["curve"]) for s, run in runs.items()},
+            "best validation accuracy": {s: max(p[1] for p in run["curve"])
+                                         for s, run in runs.items()},
             f"steps to {TARGET}": {s: p[0] for s, p in reached.items() if p},
             f"training s to {TARGET}": {s: p[2] for s, p in reached.items() if p},
             "training s, whole run": {s: run["curve"][-1][2] for s, run in runs.items()},
@@ -502,8 +523,9 @@ def chains_metrics(method):
 
 
 def against_grpo(values, base):
-    """The decision rule: mean difference over the paired seeds, 5th and 95th percentiles of 10,000 bootstrap means
-    (numpy seed 0), the number of pairs, and the word: a direction only at >= 6 pairs with 0 outside the interval."""
+    """The decision rule: mean difference over the paired seeds, 5th and 95th percentiles of 10,000
+    bootstrap means (numpy seed 0), the number of pairs, and the word: a direction only at >= 6
+    pairs with 0 outside the interval."""
     pairs = sorted(set(values) & set(base))
     d = np.array([values[s] - base[s] for s in pairs])
     boot = np.random.default_rng(0).choice(d, (10000, len(d))).mean(axis=1)
@@ -518,12 +540,16 @@ def test_chains_runs_are_complete_and_each_ran_its_default_command():
     for m in METHODS:
         for s in seeds():
             run = runs[f"learning {m} {s}"]
-            assert run["flags"] == ["--dataset", "chains", "--rollout", "auto", "--seed", str(s)], (m, s)
-            assert run["engine"] == "VLLMEngine" and 0 <= run["test"] <= 1 and run["curve"][0][0] == 0
+            assert run["flags"] == ["--dataset", "chains", "--rollout", "auto",
+                                    "--seed", str(s)], (m, s)
+            assert (run["engine"] == "VLLMEngine" and 0 <= run["test"] <= 1
+                    and run["curve"][0][0] == 0)
             if m != "grpo":
                 budget = runs[f"budget {m} {s}"]
-                assert budget["flags"][:6] == run["flags"] and budget["flags"][6:8] == ["--time_budget", str(BUDGET)]
-                assert budget["curve"][-1][2] >= BUDGET > budget["curve"][-1][2] - 30  # ended by the budget
+                assert (budget["flags"][:6] == run["flags"]
+                        and budget["flags"][6:8] == ["--time_budget", str(BUDGET)])
+                # ended by the budget
+                assert budget["curve"][-1][2] >= BUDGET > budget["curve"][-1][2] - 30
     assert len(seeds()) >= 2 and [f"learning grpo {s}" in runs for s in range(3)] == [True] * 3
 
 
@@ -535,33 +561,41 @@ def test_results_md_prints_every_seed_and_the_rule():
                 continue
             cells = " | ".join("@" if s in values else "" for s in seeds())
             printed("results.md", f"| {m} | {name} | {cells} | @ (@ seeds) |",
-                    *(values[s] for s in seeds() if s in values), float(np.mean(list(values.values()))), len(values))
+                    *(values[s] for s in seeds() if s in values),
+                    float(np.mean(list(values.values()))), len(values))
     grpo = chains_metrics("grpo")
     for m in METHODS[1:]:
         mine = chains_metrics(m)
         for name in ["final test accuracy", f"steps to {TARGET}", f"training s to {TARGET}",
                      f"test accuracy at {BUDGET} s"]:
             diff, low, high, n, sure = against_grpo(mine[name], grpo[name])
-            words = f": {WORDS[name][int(diff < 0)]}" if sure else f": not distinguishable at {n} seeds"
-            printed("results.md", f"| {m} | " * (name == "final test accuracy") + f"@ [@, @]{words}", diff, low, high)
+            words = (f": {WORDS[name][int(diff < 0)]}" if sure
+                     else f": not distinguishable at {n} seeds")
+            printed("results.md", f"| {m} | " * (name == "final test accuracy")
+                    + f"@ [@, @]{words}", diff, low, high)
             rule_words.append(words)
     assert sorted(re.findall(VERDICT, doc("results.md"))) == sorted(w[2:] for w in rule_words)
     finals = grpo["final test accuracy"].values()
-    printed("results.md", "GRPO's final test accuracies over these seeds span @ to @", min(finals), max(finals))
-    printed("results.md", "so the six seeds the rule asks for took about 4.6 hours; this section has all @",
+    printed("results.md", "GRPO's final test accuracies over these seeds span @ to @",
+            min(finals), max(finals))
+    printed("results.md", "so the six seeds the rule asks for took about 4.6 hours; this section "
+            "has all @",
             len(seeds()))
-    steps = {name: [kept_runs()[f"learning {m} {s}"]["phases"]["step_s"] for s in seeds()]  # the machine's speed
+    # the machine's speed
+    steps = {name: [kept_runs()[f"learning {m} {s}"]["phases"]["step_s"] for s in seeds()]
              for m, name in zip(METHODS, ["GRPO", "2-GRPO", "CPPO", "DPPO", "MMR-GRPO"])}
     for name, values in steps.items():
         printed("results.md", ("seed by seed, was " if name == "GRPO" else "; ") + f"{name} "
                 + " / ".join("@" for _ in values), *values)
     widest = max(steps, key=lambda name: max(steps[name]) / min(steps[name]))
-    printed("results.md", f"moved by as much as {widest}'s @ to @ s", min(steps[widest]), max(steps[widest]))
+    printed("results.md", f"moved by as much as {widest}'s @ to @ s",
+            min(steps[widest]), max(steps[widest]))
 
 
 def test_method_pages_print_their_chains_table():
-    """Each method page's #chains table: mean (seed by seed) for the method and for GRPO, and the difference with its
-    90 % interval and the rule's word, for the four metrics the rule compares."""
+    """Each method page's #chains table: mean (seed by seed) for the method and for GRPO, and the
+    difference with its 90 % interval and the rule's word, for the four metrics the rule
+    compares."""
     grpo = chains_metrics("grpo")
     for m in METHODS[1:]:
         mine, verdicts = chains_metrics(m), []
@@ -570,10 +604,13 @@ def test_method_pages_print_their_chains_table():
             cells, values = [], []
             for table in (mine[name], grpo[name]):
                 cells.append("@ (" + " / ".join("@" if s in table else "–" for s in seeds()) + ")")
-                values += [float(np.mean(list(table.values()))), *(table[s] for s in seeds() if s in table)]
+                values += [float(np.mean(list(table.values()))),
+                           *(table[s] for s in seeds() if s in table)]
             diff, low, high, n, sure = against_grpo(mine[name], grpo[name])
-            words = f": {WORDS[name][int(diff < 0)]}" if sure else f": not distinguishable at {n} seeds"
-            printed(f"{m}.md", f"| {name} | {cells[0]} | {cells[1]} | @ [@, @]{words} |", *values, diff, low, high)
+            words = (f": {WORDS[name][int(diff < 0)]}" if sure
+                     else f": not distinguishable at {n} seeds")
+            printed(f"{m}.md", f"| {name} | {cells[0]} | {cells[1]} | @ [@, @]{words} |",
+                    *values, diff, low, high)
             verdicts.append(words[2:])
         assert sorted(re.findall(VERDICT, doc(f"{m}.md"))) == sorted(verdicts), m
 
@@ -582,13 +619,16 @@ def test_readme_which_method_when_quotes_the_same_means():
     def mean(method, name):
         values = chains_metrics(method)[name]
         return float(np.mean(list(values.values())))
-    final, steps, secs, budget = "final test accuracy", f"steps to {TARGET}", f"training s to {TARGET}", \
-        f"test accuracy at {BUDGET} s"
+    final, steps, secs, budget = ("final test accuracy", f"steps to {TARGET}",
+                                  f"training s to {TARGET}", f"test accuracy at {BUDGET} s")
     readme = "../README.md"
-    printed(readme, "GRPO on chains: final test accuracy @, 0.85 on the validation split after @ steps and @ s of "
+    printed(readme, "GRPO on chains: final test accuracy @, 0.85 on the validation split "
+            "after @ steps and @ s of "
             "training", mean("grpo", final), mean("grpo", steps), mean("grpo", secs))
-    printed(readme, "it reached 0.85 after @ steps and @ s, ended at a test accuracy of @, and scored @ at 201 s "
-            "(GRPO @)", *(mean("cppo", k) for k in (steps, secs, final, budget)), mean("grpo", budget))
+    printed(readme, "it reached 0.85 after @ steps and @ s, ended at a test accuracy of @, "
+            "and scored @ at 201 s "
+            "(GRPO @)", *(mean("cppo", k) for k in (steps, secs, final, budget)),
+            mean("grpo", budget))
     printed(readme, "On chains it reached 0.85 after @ s, ended at @ and scored @ at 201 s",
             *(mean("two_grpo", k) for k in (secs, final, budget)))
     printed(readme, "It reached 0.85 after @ s, ended at @ and scored @ at 201 s",
@@ -599,37 +639,45 @@ def test_readme_which_method_when_quotes_the_same_means():
     grpo = chains_metrics("grpo")
     called = {(m, k): WORDS[k][int(stat[0] < 0)] for m in METHODS[1:] for k in WORDS
               if (stat := against_grpo(chains_metrics(m)[k], grpo[k]))[4]}
+    # "it calls three differences, all CPPO's (below)"
     assert called == {("cppo", final): "more accurate", ("cppo", steps): "fewer steps",
-                      ("cppo", budget): "more accurate"}  # "it calls three differences, all CPPO's (below)"
+                      ("cppo", budget): "more accurate"}
     assert "it calls three differences, all CPPO's" in doc("../README.md")
-    assert "By the rule it is *more accurate* at the end and at 201 s and needs *fewer steps* to 0.85, while its time " \
-           f"to 0.85 is not distinguishable at {len(seeds())} seeds" in doc("../README.md")
+    assert ("By the rule it is *more accurate* at the end and at 201 s and needs *fewer steps* to "
+            "0.85, while its time "
+            f"to 0.85 is not distinguishable at {len(seeds())} seeds" in doc("../README.md"))
     finals = grpo[final].values()
     printed(readme, "Its final test accuracy spans @–@ over these seeds", min(finals), max(finals))
 
 
 def test_pages_quote_the_seed_spread_and_the_seed_counts():
-    """two_grpo.md and mmr_grpo.md set the gaps beside GRPO's own spread; 2-GRPO's page counts its seeds ahead."""
+    """two_grpo.md and mmr_grpo.md set the gaps beside GRPO's own spread; 2-GRPO's page counts its
+    seeds ahead."""
     final, budget = "final test accuracy", f"test accuracy at {BUDGET} s"
     grpo, two, mmr = chains_metrics("grpo"), chains_metrics("two_grpo"), chains_metrics("mmr_grpo")
     n = len(seeds())
-    printed("two_grpo.md", "2-GRPO ended higher than GRPO in @ of the @ seeds and scored higher at 201 s in @, but "
+    printed("two_grpo.md", "2-GRPO ended higher than GRPO in @ of the @ seeds and scored higher "
+            "at 201 s in @, but "
             "every interval spans zero, and GRPO's own final test accuracy spans @–@ over them",
             sum(two[final][s] > grpo[final][s] for s in seeds()), n,
             sum(two[budget][s] > grpo[budget][s] for s in seeds()), min(grpo[final].values()),
             max(grpo[final].values()))
     for m in ("two_grpo", "mmr_grpo"):  # the pages' "every interval spans zero"
-        assert all(low <= 0 <= high for k in WORDS for _, low, high, _, _ in [against_grpo(chains_metrics(m)[k],
-                                                                                          grpo[k])]), m
-    printed("mmr_grpo.md", "GRPO's own final test accuracy spans @–@ over these @ seeds (MMR-GRPO's @–@)",
+        assert all(low <= 0 <= high for k in WORDS
+                   for _, low, high, _, _ in [against_grpo(chains_metrics(m)[k],
+                                                           grpo[k])]), m
+    printed("mmr_grpo.md", "GRPO's own final test accuracy spans @–@ over these @ seeds "
+            "(MMR-GRPO's @–@)",
             min(grpo[final].values()), max(grpo[final].values()), n, min(mmr[final].values()),
             max(mmr[final].values()))
 
 
 def test_grpo_md_quotes_grpos_chains_runs():
     grpo = [kept_runs()[f"learning grpo {s}"] for s in range(3)]
-    printed("grpo.md", "and @, @ and @ at step 80; test accuracy at the end @, @ and @; @, @ and @ s of training steps",
-            *(r["curve"][-1][1] for r in grpo), *(r["test"] for r in grpo), *(round(r["curve"][-1][2]) for r in grpo))
+    printed("grpo.md", "and @, @ and @ at step 80; test accuracy at the end @, @ and @; "
+            "@, @ and @ s of training steps",
+            *(r["curve"][-1][1] for r in grpo), *(r["test"] for r in grpo),
+            *(round(r["curve"][-1][2]) for r in grpo))
     assert all(r["curve"][0][1] == grpo[0]["curve"][0][1] for r in grpo)
     printed("grpo.md", "validation accuracy @ at step 0 in every seed", grpo[0]["curve"][0][1])
     printed("grpo.md", "seed 1's validation went @ → @ → @ → @ → @ over steps 40–80",
@@ -641,5 +689,6 @@ def test_readme_chains_table_is_grpos_runs():
         run = kept_runs()[f"learning grpo {s}"]
         curve = {p[0]: p[1] for p in run["curve"]}
         flag = "" if s == 0 else f" --seed {s}"
-        printed("../README.md", f"| `python grpo.py --dataset chains{flag}` | @ | @ → @ → @ → @ → @ | @ |",
+        printed("../README.md", f"| `python grpo.py --dataset chains{flag}` | @ | "
+                "@ → @ → @ → @ → @ | @ |",
                 round(run["curve"][-1][2]), *(curve[k] for k in (0, 20, 40, 60, 80)), run["test"])

@@ -1,9 +1,10 @@
-"""The packed training step: packed == padded == one sequence at a time (logits and gradients; the varlen attention
-and the dense-mask sdpa and eager references), across the test models (Qwen2, Llama, Mistral, Gemma2, Cohere,
-Granite: their attention code and their touch after the LM head); the varlen attention's sequence bounds read from the
-position ids, by hand; no [T, T] mask for a packed row; attention dropout and sliding windows; the memory-lean
-log-prob equals log_softmax + gather (and the post-head transforms, by hand); the micro-batch split never changes the
-gradient."""
+"""The packed training step: packed == padded == one sequence at a time (logits and gradients; the
+varlen attention and the dense-mask sdpa and eager references), across the test models (Qwen2,
+Llama, Mistral, Gemma2, Cohere, Granite: their attention code and their touch after the LM head);
+the varlen attention's sequence bounds read from the position ids, by hand; no [T, T] mask for a
+packed row; attention dropout and sliding windows; the memory-lean log-prob equals
+log_softmax + gather (and the post-head transforms, by hand); the micro-batch split never changes
+the gradient."""
 import json
 import math
 import shutil
@@ -12,18 +13,21 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (ARCH_CONFIGS, POST_HEAD, TINY_VOCAB, RecordingOptimizer, assert_grads_close, build_arch,
-                      make_samples)
+from conftest import (ARCH_CONFIGS, POST_HEAD, TINY_VOCAB, RecordingOptimizer, assert_grads_close,
+                      build_arch, make_samples)
 
 import common
-from common import (PACKED, Passes, Sample, chunked_logprobs, flash_attention, flash_layout, load_model, make_optimizer,
-                    pack_microbatches, packed_inputs, packed_logprobs, policy_update, seq_layout, sequence_logprobs,
-                    token_coefficients, varlen_attention)
+from common import (PACKED, Passes, Sample, chunked_logprobs, flash_attention, flash_layout,
+                    load_model, make_optimizer, pack_microbatches, packed_inputs, packed_logprobs,
+                    policy_update, seq_layout, sequence_logprobs, token_coefficients,
+                    varlen_attention)
 
 
 def one_at_a_time(model, samples):
-    """Reference: each sequence alone, plain forward, full logits. Returns per-sequence [L, V] logits."""
-    return [model(input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0] for s in samples]
+    """Reference: each sequence alone, plain forward, full logits. Returns per-sequence [L, V]
+    logits."""
+    return [model(input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0]
+            for s in samples]
 
 
 def padded(model, samples):
@@ -37,11 +41,12 @@ def padded(model, samples):
 
 
 def packed(model, samples, attention_mask=None):
-    """All sequences in one row, restarting position ids, no mask: what the trainer does (the varlen attention finds
-    the sequences from the position ids)."""
+    """All sequences in one row, restarting position ids, no mask: what the trainer does (the varlen
+    attention finds the sequences from the position ids)."""
     ids, pos, _, _ = packed_inputs(samples, "cpu")
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-    logits = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask, use_cache=False).logits[0]
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask,
+                   use_cache=False).logits[0]
     return list(logits.split(lengths))
 
 
@@ -49,7 +54,8 @@ def completion_logprob_sum(logits_list, samples):
     total = 0
     for logits, s in zip(logits_list, samples):
         p, c = len(s.prompt_ids), len(s.completion_ids)
-        lp = logits[p - 1:p + c - 1].log_softmax(-1).gather(1, torch.tensor(s.completion_ids)[:, None])
+        lp = logits[p - 1:p + c - 1].log_softmax(-1).gather(
+            1, torch.tensor(s.completion_ids)[:, None])
         total = total + lp.sum()
     return total
 
@@ -69,14 +75,16 @@ def test_packed_equals_padded_equals_single(tiny_dir, tiny, attn):
     ref = one_at_a_time(model, samples)
     for other in (padded(model, samples), packed(model, samples)):
         for a, b in zip(ref, other):
-            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-5)  # logits are ~20x scaled: absolute error ~1e-5
+            # logits are ~20x scaled: absolute error ~1e-5
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-5)
     g_ref, g_pad, g_pack = (grads_of(model, fn, samples) for fn in (one_at_a_time, padded, packed))
     assert_grads_close(g_pack, g_ref)
     assert_grads_close(g_pad, g_ref)
 
 
 def test_packing_trap_all_ones_mask_leaks_across_sequences(tiny_dir, tiny):
-    """The silent failure the trainer avoids: an all-ones mask disables packed-sequence detection."""
+    """The silent failure the trainer avoids: an all-ones mask disables packed-sequence
+    detection."""
     model, tokenizer = load_model(tiny_dir, torch.device("cpu"), attn="sdpa"), tiny[1]
     samples = make_samples(len(tokenizer))
     ref = one_at_a_time(model, samples)
@@ -85,11 +93,11 @@ def test_packing_trap_all_ones_mask_leaks_across_sequences(tiny_dir, tiny):
     assert (leaky[1] - ref[1]).abs().max() > 1e-2  # the second sequence attended to the first
 
 
-# ---------------------------------------------------------------- the varlen attention (GQA: the tiny model has 4
-# query heads and 2 key/value heads)
+# ---------------------------------------------------------------- the varlen attention (GQA: the
+# tiny model has 4 query heads and 2 key/value heads)
 
-# (prompt, completion): a length-1 completion, a 70-token sequence longer than the smaller budgets, and 24 short
-# sequences of 5-9 tokens that share micro-batches
+# (prompt, completion): a length-1 completion, a 70-token sequence longer than the smaller budgets,
+# and 24 short sequences of 5-9 tokens that share micro-batches
 VARLEN_LENGTHS = [(6, 1), (30, 40), (3, 9), (5, 5)] + [(2 + k % 3, 3 + k % 5) for k in range(24)]
 
 
@@ -104,16 +112,19 @@ def test_varlen_logprobs_and_gradients_equal_one_sequence_at_a_time_across_budge
     want_lp, loss = [], 0
     for s, c in zip(samples, coefs.tolist()):
         s.coef = c  # policy_update reads each sample's coefficient
-        logits = model(input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0, :, :vocab]
+        logits = model(
+            input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0, :, :vocab]
         p, n = len(s.prompt_ids), len(s.completion_ids)
-        lp = logits[p - 1:p + n - 1].log_softmax(-1).gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+        lp = logits[p - 1:p + n - 1].log_softmax(-1).gather(
+            1, torch.tensor(s.completion_ids)[:, None])[:, 0]
         want_lp.append(lp.detach())
         loss = loss - c * s.advantage * lp.sum()
     model.zero_grad()
     loss.backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    for budget in (100_000, 64, 16):  # one micro-batch; several; every sequence alone (70 > 64 goes alone too)
+    # one micro-batch; several; every sequence alone (70 > 64 goes alone too)
+    for budget in (100_000, 64, 16):
         passes = Passes(temperature=1.0, vocab_size=vocab, token_budget=budget, chunk=7)
         got_lp = sequence_logprobs(model, samples, passes)
         for g, w in zip(got_lp, want_lp):
@@ -126,28 +137,34 @@ def test_varlen_logprobs_and_gradients_equal_one_sequence_at_a_time_across_budge
 
 # ---------------------------------------------------------------- across the test models
 
-# (prompt, completion): a length-1 completion, sequences of 3 to 32 tokens in several buckets (with padding)
+# (prompt, completion): a length-1 completion, sequences of 3 to 32 tokens in several buckets
+# (with padding)
 ARCH_LENGTHS = [(6, 1), (3, 9), (12, 20), (5, 5), (2, 3), (4, 4), (1, 2)]
 
 
 def alone_logprobs(model, samples, vocab, temperature=1.0):
-    """Reference: each sequence alone through the model's own full forward, log_softmax of its logits (the model's
-    touch after the LM head included) over the real vocabulary, at the sampled tokens: [N]."""
+    """Reference: each sequence alone through the model's own full forward, log_softmax of its
+    logits (the model's touch after the LM head included) over the real vocabulary, at the sampled
+    tokens: [N]."""
     out = []
     for s in samples:
         p = len(s.prompt_ids)
-        logits = model(input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0, p - 1:-1, :vocab]
-        out.append((logits / temperature).log_softmax(-1).gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0])
+        logits = model(
+            input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0, p - 1:-1, :vocab]
+        out.append((logits / temperature).log_softmax(-1)
+                   .gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0])
     return torch.cat(out)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", *ARCH_CONFIGS])
 def test_packed_logprobs_and_gradients_equal_alone_across_the_test_models(tiny_dir, arch_dir, arch):
-    """With --attn varlen every architecture's packed log-probs and their gradients equal each sequence alone (fp32,
-    1e-5): its attention code hands the varlen attention the position ids, its scale, GQA / MQA, and packed_logprobs
-    applies its touch after the LM head. That touch matters: without it (config=None) Gemma2's, Cohere's and Granite's
-    log-probs miss the reference by far more than the tolerance; the others have none."""
-    model = load_model(tiny_dir if arch == "qwen2" else arch_dir(arch), torch.device("cpu"), attn="varlen")
+    """With --attn varlen every architecture's packed log-probs and their gradients equal each
+    sequence alone (fp32, 1e-5): its attention code hands the varlen attention the position ids, its
+    scale, GQA / MQA, and packed_logprobs applies its touch after the LM head. That touch matters:
+    without it (config=None, no bias) Gemma2's, Cohere's and Granite's log-probs and Phi's (its LM
+    head's bias) miss the reference by far more than the tolerance; the others have none."""
+    model = load_model(tiny_dir if arch == "qwen2" else arch_dir(arch), torch.device("cpu"),
+                       attn="varlen")
     assert model.config._attn_implementation == "varlen" and model.training
     vocab = model.config.vocab_size - 30  # the padded rows past the tokenizer are never targets
     samples = make_samples(vocab, seed=2, lengths=ARCH_LENGTHS)
@@ -157,29 +174,52 @@ def test_packed_logprobs_and_gradients_equal_alone_across_the_test_models(tiny_d
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     got = packed_logprobs(model, samples, 1.0, vocab, chunk=7)
-    torch.testing.assert_close(got.detach(), want.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.detach(), want.detach(), atol=1e-5, rtol=1e-6)
     got.sum().backward()
     assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want_grads)
     model.zero_grad()
     with torch.no_grad():  # the temperature divides the transformed logits
         torch.testing.assert_close(packed_logprobs(model, samples, 0.7, vocab, chunk=7),
-                                   alone_logprobs(model, samples, vocab, 0.7), atol=1e-5, rtol=0)
+                                   alone_logprobs(model, samples, vocab, 0.7), atol=1e-5, rtol=1e-6)
         ids, pos, predict, targets = packed_inputs(samples, "cpu")
         hidden = model.get_decoder()(input_ids=ids, position_ids=pos, attention_mask=None,
                                      use_cache=False).last_hidden_state[0, predict]
-        bare = chunked_logprobs(hidden, model.get_output_embeddings().weight[:vocab], targets, config=None)
+        bare = chunked_logprobs(hidden, model.get_output_embeddings().weight[:vocab], targets,
+                                config=None)
     gap = (bare - want.detach()).abs().max().item()
     if arch in POST_HEAD:
-        assert gap > 1e-2, gap  # a thousand times the tolerance: the check above would fail without the touch
+        # a thousand times the tolerance: the check above would fail without the touch
+        assert gap > 1e-2, gap
     else:
-        assert gap < 1e-5, gap
+        assert gap < 1e-5 + 1e-6 * want.detach().abs().max().item(), gap
+
+
+def test_a_model_that_soft_caps_attention_is_refused_by_varlen(tmp_path):
+    """Gemma2 soft-caps its attention scores (attn_logit_softcapping), which neither the bucketed
+    sdpa nor the flash kernel does: --attn varlen refuses such a model (setup turns the ValueError
+    into one line), and eager, which applies the cap, loads it."""
+    folder = build_arch(str(tmp_path / "gemma2"), "gemma2", attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="soft-capped .* use --attn eager"):
+        load_model(folder, torch.device("cpu"), attn="varlen")
+    model = load_model(folder, torch.device("cpu"), attn="eager")
+    assert model.config.attn_logit_softcapping == 50.0
+
+
+def test_seq_layout_docstring_example():
+    """seq_layout's docstring example, as printed there."""
+    buckets, keys, queries, scatter = seq_layout(torch.tensor([[0, 1, 2, 3, 4, 3]]))
+    assert [b[:3] for b in buckets] == [(1, 5, 5), (1, 4, 1)]
+    assert buckets[0].mask is None and buckets[1].mask.tolist() == [[[[True] * 4]]]
+    assert keys.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5]
+    assert queries.tolist() == [0, 1, 2, 3, 4, 5] and scatter.tolist() == [0, 1, 2, 3, 4, 5]
 
 
 def test_seq_layout_buckets_by_hand():
-    """The varlen attention reads a packed row's sequences from its position ids (each sequence starts at 0): lengths
-    3, 5, 4, 1 at offsets 0, 3, 8, 12. Longest first: 5 opens a bucket, 4 >= 0.8 * 5 joins it (padded to 5), 3 < 0.8 * 5
-    opens the next, 1 the last. Padding repeats the sequence's last position. Unshared, every sequence is square: its
-    queries are its keys, and sdpa's own causal mask serves (mask None)."""
+    """The varlen attention reads a packed row's sequences from its position ids (each sequence
+    starts at 0): lengths 3, 5, 4, 1 at offsets 0, 3, 8, 12. Longest first: 5 opens a bucket,
+    4 >= 0.8 * 5 joins it (padded to 5), 3 < 0.8 * 5 opens the next, 1 the last. Padding repeats
+    the sequence's last position. Unshared, every sequence is square: its queries are its keys, and
+    sdpa's own causal mask serves (mask None)."""
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 0]])
     buckets, keys, queries, scatter = seq_layout(pos)
     assert buckets == [(2, 5, 5, None), (1, 3, 3, None), (1, 1, 1, None)]
@@ -187,11 +227,14 @@ def test_seq_layout_buckets_by_hand():
     assert scatter.tolist() == [10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8, 13]
     assert queries[scatter].tolist() == list(range(13))  # every token comes back from its own row
     assert keys.dtype == scatter.dtype == torch.long and keys.device == pos.device
-    # computed once per forward: every layer hands in the same position_ids tensor and gets the cached layout
+    # computed once per forward: every layer hands in the same position_ids tensor and gets the
+    # cached layout
     assert seq_layout(pos)[1] is keys
-    # a new row is laid out anew, not taken from the cache: lengths 2, 2, 3 (2 < 0.8 * 3: the 2s share a second bucket)
+    # a new row is laid out anew, not taken from the cache: lengths 2, 2, 3 (2 < 0.8 * 3: the 2s
+    # share a second bucket)
     buckets, keys, queries, scatter = seq_layout(torch.tensor([[0, 1, 0, 1, 0, 1, 2]]))
-    assert [b[:3] for b in buckets] == [(1, 3, 3), (2, 2, 2)] and keys.tolist() == [4, 5, 6, 0, 1, 2, 3]
+    assert ([b[:3] for b in buckets] == [(1, 3, 3), (2, 2, 2)]
+            and keys.tolist() == [4, 5, 6, 0, 1, 2, 3])
     assert scatter.tolist() == [3, 4, 5, 6, 0, 1, 2]
     # one sequence: one bucket, the identity
     buckets, keys, queries, scatter = seq_layout(torch.arange(6)[None])
@@ -199,11 +242,12 @@ def test_seq_layout_buckets_by_hand():
 
 
 def test_seq_layout_shared_bucket_by_hand():
-    """Two groups, shared: prompt P (rows 0-3) with completions a (row 4) and b (rows 5-7, positions 4-6); prompt Q
-    (rows 8-12) with c (row 13) and d (rows 14-15, positions 5-6). Square sequences P a (5) and Q c (6) share a causal
-    bucket (5 >= 0.8 * 6). b and d run only their own queries, 3 and 2 (d padded by its last row), against 7 keys
-    each: P's rows and b's, Q's rows and d's. Query j of a sequence with k keys before its first query sees keys
-    0 .. k + j: b's first query sees P and itself (k = 4), d's sees Q and itself (k = 5)."""
+    """Two groups, shared: prompt P (rows 0-3) with completions a (row 4) and b (rows 5-7, positions
+    4-6); prompt Q (rows 8-12) with c (row 13) and d (rows 14-15, positions 5-6). Square sequences
+    P a (5) and Q c (6) share a causal bucket (5 >= 0.8 * 6). b and d run only their own queries,
+    3 and 2 (d padded by its last row), against 7 keys each: P's rows and b's, Q's rows and d's.
+    Query j of a sequence with k keys before its first query sees keys 0 .. k + j: b's first query
+    sees P and itself (k = 4), d's sees Q and itself (k = 5)."""
     pos = torch.tensor([[0, 1, 2, 3, 4, 4, 5, 6, 0, 1, 2, 3, 4, 5, 5, 6]])
     buckets, keys, queries, scatter = seq_layout(pos)
     assert [b[:4] for b in buckets[:1]] == [(2, 6, 6, None)] and buckets[1][:3] == (2, 7, 3)
@@ -214,50 +258,61 @@ def test_seq_layout_shared_bucket_by_hand():
     assert queries[scatter].tolist() == list(range(16))
     mask = buckets[1][3].int().tolist()  # [2, 1, 3, 7]
     assert mask == [[[[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]]],
-                    [[[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]]]]  # d's last: padding
+                    # d's last: padding
+                    [[[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]]]]
 
 
 def test_flash_layout_by_hand():
-    """The GPU path's index for docs/grpo.md#shared-prompt's picture, prompt p (3 tokens), completions a (2), b (3):
-    row p0 p1 p2 a0 a1 b0 b1 b2 at positions 0 1 2 3 4 3 4 5. The first completion goes on from its prompt, so the
-    queries are two runs, p a (5 rows) and b (3); the keys: p a itself, then p's rows and b's (6 keys for 3 queries).
-    Unshared, every run is its own keys."""
+    """The GPU path's index for docs/grpo.md#shared-prompt's picture, prompt p (3 tokens),
+    completions a (2), b (3): row p0 p1 p2 a0 a1 b0 b1 b2 at positions 0 1 2 3 4 3 4 5. The first
+    completion goes on from its prompt, so the queries are two runs, p a (5 rows) and b (3); the
+    keys: p a itself, then p's rows and b's (6 keys for 3 queries). Unshared, every run is its own
+    keys."""
     cu_q, cu_k, keys, max_q, max_k = flash_layout(torch.tensor([[0, 1, 2, 3, 4, 3, 4, 5]]))
     assert cu_q.tolist() == [0, 5, 8] and cu_k.tolist() == [0, 5, 11] and (max_q, max_k) == (5, 6)
     assert keys.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7]
     assert cu_q.dtype == cu_k.dtype == keys.dtype == torch.int32  # what the flash kernel takes
     cu_q, cu_k, keys, max_q, max_k = flash_layout(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]))
-    assert cu_q.tolist() == cu_k.tolist() == [0, 3, 5, 9] and keys.tolist() == list(range(9)) and max_q == max_k == 4
+    assert (cu_q.tolist() == cu_k.tolist() == [0, 3, 5, 9] and keys.tolist() == list(range(9))
+            and max_q == max_k == 4)
 
 
-def flash_by_definition(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-    """What torch's varlen_attn computes, in fp32: sequence i's queries q[cu_q[i]:cu_q[i+1]] against its keys
-    k[cu_k[i]:cu_k[i+1]], causal from the bottom right (query j of Lq sees keys 0 .. Lk - Lq + j). The real kernel
-    takes this convention (an H100 check against an fp32 reference: docs/grpo.md#flash)."""
-    assert window_size == (-1, 0) and q.dtype == k.dtype == v.dtype == torch.bfloat16  # causal, 16 bits
+def flash_by_definition(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                        enable_gqa=False):
+    """What torch's varlen_attn computes, in fp32: sequence i's queries q[cu_q[i]:cu_q[i+1]] against
+    its keys k[cu_k[i]:cu_k[i+1]], causal from the bottom right (query j of Lq sees keys
+    0 .. Lk - Lq + j). The real kernel takes this convention (an H100 check against an fp32
+    reference: docs/grpo.md#flash)."""
+    # causal, 16 bits
+    assert window_size == (-1, 0) and q.dtype == k.dtype == v.dtype == torch.bfloat16
     assert int((cu_q[1:] - cu_q[:-1]).max()) == max_q and int((cu_k[1:] - cu_k[:-1]).max()) == max_k
     out = []
-    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
+                          cu_k[1:].tolist()):
         mask = torch.ones(b - a, d - c, dtype=torch.bool).tril(d - c - (b - a))
         x = [t.float().transpose(0, 1) for t in (q[a:b], k[c:d], v[c:d])]  # [H, L, d]
-        out.append(F.scaled_dot_product_attention(*x, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1))
+        out.append(F.scaled_dot_product_attention(*x, attn_mask=mask, scale=scale,
+                                                  enable_gqa=True).transpose(0, 1))
     return torch.cat(out)  # [Tq, Hq, d]
 
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_flash_attention_equals_the_bucketed_sdpa(monkeypatch, shared):
-    """The GPU path (one varlen flash call per packed row) against the CPU one (a causal sdpa per bucket) on the same
-    row: groups of 3, 1 and 2 completions after prompts of 5, 3 and 4 tokens, GQA (4 query heads, 2 KV heads), the
-    kernel replaced by its definition above, inputs rounded to bf16 so that its cast is exact. Outputs within 1e-5;
-    the inputs' gradients within bf16's rounding (the kernel's gradient is a bf16 one)."""
+    """The GPU path (one varlen flash call per packed row) against the CPU one (a causal sdpa per
+    bucket) on the same row: groups of 3, 1 and 2 completions after prompts of 5, 3 and 4 tokens,
+    GQA (4 query heads, 2 KV heads), the kernel replaced by its definition above, inputs rounded to
+    bf16 so that its cast is exact. Outputs within 1e-5; the inputs' gradients within bf16's
+    rounding (the kernel's gradient is a bf16 one)."""
     monkeypatch.setattr(common, "varlen_attn", flash_by_definition)
     gen = torch.Generator().manual_seed(0)
     tokens = lambda n: torch.randint(3, 50, (n,), generator=gen).tolist()
-    samples = [Sample(p, tokens(c)) for p, cs in ((tokens(5), (3, 1, 4)), (tokens(3), (2,)), (tokens(4), (2, 5)))
+    samples = [Sample(p, tokens(c))
+               for p, cs in ((tokens(5), (3, 1, 4)), (tokens(3), (2,)), (tokens(4), (2, 5)))
                for c in cs]
     _, pos, _, _ = packed_inputs(samples, "cpu", shared)
     T = pos.shape[1]
-    q, k, v = (torch.randn(1, h, T, 32, generator=gen).bfloat16().float().requires_grad_() for h in (4, 2, 2))
+    q, k, v = (torch.randn(1, h, T, 32, generator=gen).bfloat16().float().requires_grad_()
+               for h in (4, 2, 2))
     w = torch.randn(1, T, 4, 32, generator=gen)
     got = flash_attention(q, k, v, pos, 0.3)  # [1, T, Hq, d]
     got_grads = torch.autograd.grad((got * w).sum(), (q, k, v))
@@ -288,13 +343,15 @@ def tensor_shapes_during(fn):
 
 @pytest.mark.parametrize("attn", ["varlen", "sdpa"])
 def test_a_packed_micro_batch_never_builds_a_dense_t_by_t_tensor(tiny_dir, tiny, attn):
-    """No mask and no score matrix of the whole row: T appears at most once in any tensor made in forward or
-    backward. The dense-mask sdpa reference is probed the same way and does build one, so the probe can fail."""
+    """No mask and no score matrix of the whole row: T appears at most once in any tensor made in
+    forward or backward. The dense-mask sdpa reference is probed the same way and does build one, so
+    the probe can fail."""
     model, vocab = load_model(tiny_dir, torch.device("cpu"), attn=attn), len(tiny[1])
     samples = make_samples(vocab, seed=4, lengths=[(5, 9), (7, 4), (3, 11), (6, 6), (4, 6)])
     T = 61  # prime, and no dimension of the model
     assert sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples) == T
-    shapes = tensor_shapes_during(lambda: packed_logprobs(model, samples, 1.0, vocab, chunk=16).sum().backward())
+    shapes = tensor_shapes_during(lambda: packed_logprobs(model, samples, 1.0, vocab,
+                                                          chunk=16).sum().backward())
     dense = [s for s in shapes if s.count(T) >= 2]
     if attn == "varlen":
         assert not dense, dense[:5]
@@ -302,17 +359,19 @@ def test_a_packed_micro_batch_never_builds_a_dense_t_by_t_tensor(tiny_dir, tiny,
         assert dense  # the block-diagonal mask (and the scores) of the dense path
 
 
-def test_attention_dropout_trains_with_varlen_and_packs_exactly_in_eval_mode(tiny_dir, tiny, tmp_path):
-    """Attention dropout is applied by sdpa inside each bucket: no refusal. A model whose config asks for 0.1 loads
-    with --attn varlen in train mode, its train-mode packed passes are stochastic (the dropout acts), an AdamW step
-    through policy_update changes its weights; in eval mode its packed log-probs equal the alone ones and those of
-    the same weights without dropout."""
+def test_attention_dropout_trains_with_varlen_and_packs_exactly_in_eval_mode(tiny_dir, tiny,
+                                                                             tmp_path):
+    """Attention dropout is applied by sdpa inside each bucket: no refusal. A model whose config
+    asks for 0.1 loads with --attn varlen in train mode, its train-mode packed passes are stochastic
+    (the dropout acts), an AdamW step through policy_update changes its weights; in eval mode its
+    packed log-probs equal the alone ones and those of the same weights without dropout."""
     folder = tmp_path / "dropout"
     shutil.copytree(tiny_dir, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
     model = load_model(str(folder), torch.device("cpu"), attn="varlen")
-    assert model.training and model.config.attention_dropout == 0.1 and model.config._attn_implementation == "varlen"
+    assert (model.training and model.config.attention_dropout == 0.1
+            and model.config._attn_implementation == "varlen")
     vocab = len(tiny[1])
     samples = make_samples(vocab, seed=6, lengths=[(5, 4), (3, 7), (6, 1), (4, 5)])
     with torch.no_grad():
@@ -324,50 +383,58 @@ def test_attention_dropout_trains_with_varlen_and_packs_exactly_in_eval_mode(tin
     model.eval()
     with torch.no_grad():
         got = packed_logprobs(model, samples, 1.0, vocab)
-        torch.testing.assert_close(got, alone_logprobs(model, samples, vocab), atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, alone_logprobs(model, samples, vocab), atol=1e-5,
+                                   rtol=1e-6)
         plain = load_model(tiny_dir, torch.device("cpu"), attn="varlen").eval()
-        torch.testing.assert_close(got, packed_logprobs(plain, samples, 1.0, vocab), atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, packed_logprobs(plain, samples, 1.0, vocab), atol=1e-5,
+                                   rtol=1e-6)
     model.train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer, _ = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
-    for s, c in zip(samples, token_coefficients([len(s.completion_ids) for s in samples], "seq_mean").tolist()):
+    for s, c in zip(samples, token_coefficients([len(s.completion_ids) for s in samples],
+                                                "seq_mean").tolist()):
         s.coef = c
-    stats = policy_update(model, optimizer, samples, Passes(1.0, vocab, 64), clip=(0.2, 0.2), beta=0.0)
+    stats = policy_update(model, optimizer, samples, Passes(1.0, vocab, 64), clip=(0.2, 0.2),
+                          beta=0.0)
     assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
     moved = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert len(moved) == len(before), set(before) - set(moved)
 
 
 def test_a_sequence_longer_than_the_sliding_window_is_refused_naming_sdpa(tmp_path):
-    """The bucketed causal attention knows no window: a packed row with a sequence longer than the model's sliding
-    window raises NotImplementedError naming --attn sdpa (a Mistral with window 8). Sequences within the window pack
-    exactly; sdpa's mask, which the message names, packs the longer one exactly; and the window does bind there (the
-    same weights with a wide window give other log-probs), so plain causal attention would have been wrong."""
+    """The bucketed causal attention knows no window: a packed row with a sequence longer than the
+    model's sliding window raises NotImplementedError naming --attn sdpa (a Mistral with window 8).
+    Sequences within the window pack exactly; sdpa's mask, which the message names, packs the longer
+    one exactly; and the window does bind there (the same weights with a wide window give other
+    log-probs), so plain causal attention would have been wrong."""
     cpu = torch.device("cpu")
     folder = build_arch(str(tmp_path / "window8"), "mistral", sliding_window=8)
     model = load_model(folder, cpu, attn="varlen")
     short = make_samples(TINY_VOCAB, seed=8, lengths=[(3, 5), (4, 2), (2, 1)])  # 8, 6, 3 tokens
-    torch.testing.assert_close(packed_logprobs(model, short, 1.0, TINY_VOCAB), alone_logprobs(model, short, TINY_VOCAB),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed_logprobs(model, short, 1.0, TINY_VOCAB),
+                               alone_logprobs(model, short, TINY_VOCAB), atol=1e-5, rtol=1e-6)
     long = make_samples(TINY_VOCAB, seed=8, lengths=[(3, 5), (4, 8)])  # 8 and 12 tokens
     with pytest.raises(NotImplementedError, match="--attn sdpa"):
         packed_logprobs(model, long, 1.0, TINY_VOCAB)
     sdpa = load_model(folder, cpu, attn="sdpa")
     want = alone_logprobs(sdpa, long, TINY_VOCAB)
-    torch.testing.assert_close(packed_logprobs(sdpa, long, 1.0, TINY_VOCAB), want, atol=1e-5, rtol=0)
-    wide = load_model(build_arch(str(tmp_path / "window128"), "mistral", sliding_window=128), cpu, attn="sdpa")
+    torch.testing.assert_close(packed_logprobs(sdpa, long, 1.0, TINY_VOCAB), want, atol=1e-5,
+                               rtol=1e-6)
+    wide = load_model(build_arch(str(tmp_path / "window128"), "mistral", sliding_window=128), cpu,
+                      attn="sdpa")
     assert (alone_logprobs(wide, long, TINY_VOCAB) - want).abs().max() > 1e-3
 
 
 def test_hf_generate_is_unchanged_by_the_varlen_attention(tiny_dir, tiny):
-    """The policy model also generates (HF fallback): left-padded batches with a KV cache take sdpa's path."""
+    """The policy model also generates (HF fallback): left-padded batches with a KV cache take
+    sdpa's path."""
     from common import HFEngine
     tokenizer = tiny[1]
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
     outs = []
     for attn in ("varlen", "sdpa"):
-        engine = HFEngine(load_model(tiny_dir, torch.device("cpu"), attn=attn), tokenizer, len(tokenizer),
-                          [tokenizer.eos_token_id])
+        engine = HFEngine(load_model(tiny_dir, torch.device("cpu"), attn=attn), tokenizer,
+                          len(tokenizer), [tokenizer.eos_token_id])
         outs.append([engine.generate(prompts, n=1, temperature=0.0, max_tokens=10, seed=0),
                      engine.generate(prompts, n=3, temperature=1.0, max_tokens=10, seed=0)])
     assert outs[0] == outs[1]
@@ -382,10 +449,11 @@ def test_packed_inputs_layout():
 
 
 def test_shared_prompt_layout_by_hand():
-    """Prompt [5, 6] with completions [7] and [8, 9] (A1, A2), then prompt [4] with [3] (B): A's prompt is laid out
-    once; A2's positions go on from its prompt (2, 3); its first token is predicted from the prompt's last row (1,
-    shared with A1), the next from its own. The attention reads the same tree back from the positions alone. Only
-    neighbours share (pack_microbatches puts a group together): in the order A1, B, A2 nothing is shared."""
+    """Prompt [5, 6] with completions [7] and [8, 9] (A1, A2), then prompt [4] with [3] (B): A's
+    prompt is laid out once; A2's positions go on from its prompt (2, 3); its first token is
+    predicted from the prompt's last row (1, shared with A1), the next from its own. The attention
+    reads the same tree back from the positions alone. Only neighbours share (pack_microbatches puts
+    a group together): in the order A1, B, A2 nothing is shared."""
     samples = [Sample([5, 6], [7]), Sample([5, 6], [8, 9]), Sample([4], [3])]
     ids, pos, predict, targets = packed_inputs(samples, "cpu", shared=True)
     assert ids.tolist() == [[5, 6, 7, 8, 9, 4, 3]]
@@ -393,14 +461,20 @@ def test_shared_prompt_layout_by_hand():
     assert predict.tolist() == [1, 1, 3, 5]  # A1: 6->7 | A2: 6->8, 8->9 | B: 4->3
     assert targets.tolist() == [7, 8, 9, 3]
     assert packed_inputs(samples, "cpu")[0].tolist() == [[5, 6, 7, 5, 6, 8, 9, 4, 3]]  # unshared
-    assert packed_inputs(samples[::2] + samples[1:2], "cpu", shared=True)[0].tolist() == [[5, 6, 7, 4, 3, 5, 6, 8, 9]]
-    # sequences: rows [0 1 2] (A1), [0 1 | 3 4] (A2's keys: a copy of its prompt's rows, then its own), [5 6] (B)
+    assert packed_inputs(samples[::2] + samples[1:2], "cpu",
+                         shared=True)[0].tolist() == [[5, 6, 7, 4, 3, 5, 6, 8, 9]]
+    # sequences: rows [0 1 2] (A1), [0 1 | 3 4] (A2's keys: a copy of its prompt's rows, then its
+    # own), [5 6] (B)
     buckets, keys, queries, scatter = seq_layout(pos)
-    assert [b[:3] for b in buckets] == [(1, 3, 3), (1, 2, 2), (1, 4, 2)]  # square ones first: A1, B; then A2
-    assert keys.tolist() == [0, 1, 2, 5, 6, 0, 1, 3, 4]  # A2's keys: its prompt's rows in front of its own
+    # square ones first: A1, B; then A2
+    assert [b[:3] for b in buckets] == [(1, 3, 3), (1, 2, 2), (1, 4, 2)]
+    # A2's keys: its prompt's rows in front of its own
+    assert keys.tolist() == [0, 1, 2, 5, 6, 0, 1, 3, 4]
     assert queries.tolist() == [0, 1, 2, 5, 6, 3, 4]  # A2 runs only its own queries
-    assert scatter.tolist() == [0, 1, 2, 5, 6, 3, 4]  # every token's output from its own row, never from the copy
-    assert buckets[2][3].tolist() == [[[[True, True, True, False], [True, True, True, True]]]]  # 2 prompt keys first
+    # every token's output from its own row, never from the copy
+    assert scatter.tolist() == [0, 1, 2, 5, 6, 3, 4]
+    # 2 prompt keys first
+    assert buckets[2][3].tolist() == [[[[True, True, True, False], [True, True, True, True]]]]
 
 
 def test_packed_logprobs_equal_plain_log_softmax(tiny):
@@ -412,7 +486,8 @@ def test_packed_logprobs_equal_plain_log_softmax(tiny):
         want = []
         for logits, s in zip(one_at_a_time(model, samples), samples):
             p, c = len(s.prompt_ids), len(s.completion_ids)
-            lp = (logits[p - 1:p + c - 1, :vocab] / temperature).log_softmax(-1)  # padded ids excluded
+            # padded ids excluded
+            lp = (logits[p - 1:p + c - 1, :vocab] / temperature).log_softmax(-1)
             want.append(lp.gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0])
         torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
 
@@ -424,7 +499,8 @@ def test_chunked_logprobs_value_and_grad_match_full():
     targets = torch.randint(0, 40, (37,))
     full = F.log_softmax((hidden @ weight[:40].T) / 0.8, -1).gather(1, targets[:, None])[:, 0]
     gh_full, gw_full = torch.autograd.grad(full.sum() * 2, (hidden, weight))
-    lean = chunked_logprobs(hidden, weight[:40], targets, temperature=0.8, chunk=8)  # 8 does not divide 37
+    # 8 does not divide 37
+    lean = chunked_logprobs(hidden, weight[:40], targets, temperature=0.8, chunk=8)
     torch.testing.assert_close(lean, full)
     gh, gw = torch.autograd.grad(lean.sum() * 2, (hidden, weight))
     torch.testing.assert_close(gh, gh_full)
@@ -432,28 +508,32 @@ def test_chunked_logprobs_value_and_grad_match_full():
 
 
 def test_post_head_transforms_by_hand():
-    """chunked_logprobs(config=...) applies a model's touch after the LM head: Cohere's logit_scale multiplies,
-    Granite's logits_scaling divides, Gemma's final_logit_softcapping is c tanh(z / c); the temperature divides
-    afterwards (as the engine samples). Values and gradients against the formulas written out; a config without them
-    (or None) is the bare head."""
+    """chunked_logprobs(config=...) applies a model's touch after the LM head: Cohere's logit_scale
+    multiplies, Granite's logits_scaling divides, Gemma's final_logit_softcapping is c tanh(z / c);
+    the temperature divides afterwards (as the engine samples). Values and gradients against the
+    formulas written out; a config without them (or None) is the bare head."""
     torch.manual_seed(0)
     hidden = torch.randn(23, 16, requires_grad=True)
     weight = (3 * torch.randn(40, 16)).requires_grad_()
     targets = torch.randint(0, 40, (23,))
     z = hidden @ weight.T  # [23, 40], spread over tens of units
     cases = [(None, z), (types.SimpleNamespace(), z),
-             (types.SimpleNamespace(logit_scale=None, logits_scaling=None, final_logit_softcapping=None), z),
+             (types.SimpleNamespace(logit_scale=None, logits_scaling=None,
+                                    final_logit_softcapping=None), z),
              (types.SimpleNamespace(logit_scale=0.25), 0.25 * z),  # Cohere
              (types.SimpleNamespace(logits_scaling=4.0), z / 4.0),  # Granite
-             (types.SimpleNamespace(final_logit_softcapping=3.0), 3.0 * torch.tanh(z / 3.0)),  # Gemma 2
-             (types.SimpleNamespace(logit_scale=2.0, logits_scaling=8.0, final_logit_softcapping=5.0),
+             (types.SimpleNamespace(final_logit_softcapping=3.0),
+              3.0 * torch.tanh(z / 3.0)),  # Gemma 2
+             (types.SimpleNamespace(logit_scale=2.0, logits_scaling=8.0,
+                                    final_logit_softcapping=5.0),
               5.0 * torch.tanh(z * 2.0 / 8.0 / 5.0))]
     bare = None
     for config, logits in cases:
         want = F.log_softmax(logits / 0.7, -1).gather(1, targets[:, None])[:, 0]
         got = chunked_logprobs(hidden, weight, targets, temperature=0.7, chunk=5, config=config)
         torch.testing.assert_close(got, want)
-        want_grads = torch.autograd.grad(want.sum(), (hidden, weight), retain_graph=True)  # z serves every case
+        # z serves every case
+        want_grads = torch.autograd.grad(want.sum(), (hidden, weight), retain_graph=True)
         for g, w in zip(torch.autograd.grad(got.sum(), (hidden, weight)), want_grads):
             torch.testing.assert_close(g, w)
         if bare is None:
@@ -463,8 +543,9 @@ def test_post_head_transforms_by_hand():
 
 
 def test_chunked_logprobs_never_keeps_a_tokens_by_vocab_tensor():
-    """Autograd must save no logits-shaped [*, V] tensor for backward: each chunk is recomputed (checkpointed).
-    The same probe on a plain log_softmax + gather does see the [N, V] logits, so the check can fail."""
+    """Autograd must save no logits-shaped [*, V] tensor for backward: each chunk is recomputed
+    (checkpointed). The same probe on a plain log_softmax + gather does see the [N, V] logits, so
+    the check can fail."""
     from common import _logprob_chunk
     n, vocab, d = 64, 1000, 16
 
@@ -472,7 +553,8 @@ def test_chunked_logprobs_never_keeps_a_tokens_by_vocab_tensor():
         hidden = torch.randn(n, d, requires_grad=True)
         weight = torch.randn(vocab, d, requires_grad=True)
         shapes = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t,
+                                                      lambda t: t):
             out = fn(hidden, weight, torch.randint(0, vocab, (n,)))
         out.sum().backward()
         assert hidden.grad is not None and weight.grad is not None
@@ -489,7 +571,8 @@ def test_pack_microbatches_respects_budget_and_covers_everything():
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= 16 for b in bins if len(b) > 1)
     assert [7] in bins  # the 20-token sequence is longer than the budget: alone
-    # first-fit decreasing by hand: 20 | 12 3 1 | 9 7 | 8 5  (the other 45 tokens in the minimum 3 bins of 16)
+    # first-fit decreasing by hand: 20 | 12 3 1 | 9 7 | 8 5  (the other 45 tokens in the minimum 3
+    # bins of 16)
     assert sorted(map(sorted, bins)) == sorted([[7], [2, 4, 5], [1, 3], [0, 6]])
 
 
@@ -506,38 +589,43 @@ def test_microbatch_split_never_changes_the_gradient(tiny, loss_agg):
     results = []
     for budget in (10_000, 14, 1):  # one micro-batch, a few, one sequence each
         opt = RecordingOptimizer(model)
-        stats = policy_update(model, opt, samples, Passes(1.0, vocab, token_budget=budget, chunk=4), clip=(0.2, 0.2),
-                              beta=0.1, grad_clip=1e9)
+        stats = policy_update(model, opt, samples, Passes(1.0, vocab, token_budget=budget, chunk=4),
+                              clip=(0.2, 0.2), beta=0.1, grad_clip=1e9)
         results.append((stats, opt.grads))
-    assert [r[0]["micro_batches"] for r in results][0] == 1 and results[2][0]["micro_batches"] == len(lengths)
+    assert ([r[0]["micro_batches"] for r in results][0] == 1
+            and results[2][0]["micro_batches"] == len(lengths))
     for stats, grads in results[1:]:
         assert stats["loss"] == pytest.approx(results[0][0]["loss"], abs=1e-6)
         assert_grads_close(grads, results[0][1])
 
 
-# ---------------------------------------------------------------- the shared prompt (docs/grpo.md#shared-prompt)
+# ---------------------------------------------------------------- the shared prompt
+# (docs/grpo.md#shared-prompt)
 
 GROUPS = [8, 5, 3, 2, 1]  # GRPO's G = 8, groups CPPO and DPPO pruned, 2-GRPO's pair, a group of one
 
 
 def grouped_samples(vocab, group_sizes=GROUPS, seed=0):
-    """Groups of completions (1-40 tokens) behind one random prompt each (3-30 tokens), shuffled as pruning and
-    packing may leave them, with N(0, 1) advantages."""
+    """Groups of completions (1-40 tokens) behind one random prompt each (3-30 tokens), shuffled as
+    pruning and packing may leave them, with N(0, 1) advantages."""
     g = torch.Generator().manual_seed(seed)
-    tokens = lambda low, high: torch.randint(3, vocab, (int(torch.randint(low, high + 1, (), generator=g)),),
+    tokens = lambda low, high: torch.randint(3, vocab,
+                                             (int(torch.randint(low, high + 1, (), generator=g)),),
                                              generator=g).tolist()
     samples = []
     for n in group_sizes:
         prompt = tokens(3, 30)
-        samples += [Sample(prompt, tokens(1, 40), advantage=float(torch.randn((), generator=g))) for _ in range(n)]
+        samples += [Sample(prompt, tokens(1, 40), advantage=float(torch.randn((), generator=g)))
+                    for _ in range(n)]
     return [samples[i] for i in torch.randperm(len(samples), generator=g).tolist()]
 
 
 def test_shared_prompt_equals_the_unshared_step(tiny):
-    """On the GQA tiny Qwen2, with partial groups in a shuffled order: per-token log-probs equal the unshared packed
-    step's to 5e-5 nats (fp32; only the order of sums changes) and the update's gradient to 1e-5 relative, in one
-    micro-batch, in several, and under a budget smaller than the 8-group (cut in pieces, the prompt in each); the
-    memory-lean log-prob in chunks of 7 rows. Fewer tokens are laid out, so fewer micro-batches at the same budget."""
+    """On the GQA tiny Qwen2, with partial groups in a shuffled order: per-token log-probs equal the
+    unshared packed step's to 5e-5 nats (fp32; only the order of sums changes) and the update's
+    gradient to 1e-5 relative, in one micro-batch, in several, and under a budget smaller than the
+    8-group (cut in pieces, the prompt in each); the memory-lean log-prob in chunks of 7 rows. Fewer
+    tokens are laid out, so fewer micro-batches at the same budget."""
     model, tokenizer = tiny
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
     vocab = len(tokenizer)
@@ -549,7 +637,8 @@ def test_shared_prompt_equals_the_unshared_step(tiny):
     want_lp = sequence_logprobs(model, samples, unshared)
     want = RecordingOptimizer(model)
     policy_update(model, want, samples, unshared, clip=(0.2, 0.2), beta=0.0, grad_clip=1e9)
-    group_tokens = max(len(s.prompt_ids) + sum(len(t.completion_ids) for t in samples if t.prompt_ids == s.prompt_ids)
+    group_tokens = max(len(s.prompt_ids)
+                       + sum(len(t.completion_ids) for t in samples if t.prompt_ids == s.prompt_ids)
                        for s in samples)
     for budget in (100_000, 150, group_tokens - 1):
         passes = unshared._replace(token_budget=budget, shared=True)
@@ -566,16 +655,19 @@ def test_shared_prompt_equals_the_unshared_step(tiny):
     prompts = {tuple(s.prompt_ids): 0 for s in samples}
     for s in samples:
         prompts[tuple(s.prompt_ids)] += 1
-    saved = sum((n - 1) * len(p) for p, n in prompts.items())  # each group's prompt laid out once, not n times
+    # each group's prompt laid out once, not n times
+    saved = sum((n - 1) * len(p) for p, n in prompts.items())
     total = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-    grouped = [samples[i] for i in pack_microbatches(samples, 100_000, shared=True)[0]]  # one micro-batch, by group
-    assert [packed_inputs(grouped, "cpu", shared)[0].shape[1] for shared in (False, True)] == [total, total - saved]
+    # one micro-batch, by group
+    grouped = [samples[i] for i in pack_microbatches(samples, 100_000, shared=True)[0]]
+    assert [packed_inputs(grouped, "cpu", shared)[0].shape[1]
+            for shared in (False, True)] == [total, total - saved]
 
 
 def test_pack_microbatches_shares_a_prompt_by_hand():
-    """A prompt of 4 with completions of 5, 6, 7 costs 4 + 18 = 22 together; under a budget of 16 it is cut where the
-    next completion would not fit: [5, 6] (4 + 11 = 15) and [7] (4 + 7 = 11), each with the prompt. The group of one
-    (3 + 2 = 5) first-fits beside the 11."""
+    """A prompt of 4 with completions of 5, 6, 7 costs 4 + 18 = 22 together; under a budget of 16 it
+    is cut where the next completion would not fit: [5, 6] (4 + 11 = 15) and [7] (4 + 7 = 11), each
+    with the prompt. The group of one (3 + 2 = 5) first-fits beside the 11."""
     samples = [Sample([1] * 4, [2] * n) for n in (5, 6, 7)] + [Sample([3] * 3, [2] * 2)]
     assert pack_microbatches(samples, 100, shared=True) == [[0, 1, 2, 3]]
     assert pack_microbatches(samples, 16, shared=True) == [[0, 1], [2, 3]]
@@ -584,26 +676,30 @@ def test_pack_microbatches_shares_a_prompt_by_hand():
 
 @pytest.mark.parametrize("arch", ["qwen2", *ARCH_CONFIGS])
 def test_shared_prompt_equals_alone_across_the_test_models(tiny_dir, arch_dir, arch):
-    """Each architecture's attention code (GQA, MQA, qk-norm, attention scales, sliding-window layers) runs the shared
-    layout exactly: log-probs equal each sequence alone to 1e-5, gradients to 1e-4 relative."""
-    model = load_model(tiny_dir if arch == "qwen2" else arch_dir(arch), torch.device("cpu"), attn="varlen")
+    """Each architecture's attention code (GQA, MQA, qk-norm, attention scales, sliding-window
+    layers) runs the shared layout exactly: log-probs equal each sequence alone to 1e-5, gradients
+    to 1e-4 relative."""
+    model = load_model(tiny_dir if arch == "qwen2" else arch_dir(arch), torch.device("cpu"),
+                       attn="varlen")
     vocab = model.config.vocab_size - 30
-    samples = sorted(grouped_samples(vocab, [4, 1, 3], seed=1), key=lambda s: s.prompt_ids)  # groups together
+    # groups together
+    samples = sorted(grouped_samples(vocab, [4, 1, 3], seed=1), key=lambda s: s.prompt_ids)
     want = alone_logprobs(model, samples, vocab)
     model.zero_grad()
     want.sum().backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     got = packed_logprobs(model, samples, 1.0, vocab, chunk=7, shared=True)
-    torch.testing.assert_close(got.detach(), want.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.detach(), want.detach(), atol=1e-5, rtol=1e-6)
     got.sum().backward()
     assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want_grads)
     model.zero_grad()
 
 
 def test_only_varlen_can_share_a_prompt(tiny_dir, tiny):
-    """sdpa (like eager and flash_attention_2) reads each run of positions as a sequence of its own: under it the
-    shared layout's completions lose their prompt, so the run falls back to one prompt per completion."""
+    """sdpa (like eager and flash_attention_2) reads each run of positions as a sequence of its own:
+    under it the shared layout's completions lose their prompt, so the run falls back to one prompt
+    per completion."""
     vocab = len(tiny[1])
     samples = sorted(grouped_samples(vocab, [3, 2], seed=2), key=lambda s: s.prompt_ids)
     model = load_model(tiny_dir, torch.device("cpu"), attn="sdpa", frozen=True)
@@ -615,8 +711,8 @@ def test_only_varlen_can_share_a_prompt(tiny_dir, tiny):
     from common import parse_args, setup
     for flags, shared in ([], True), (["--attn", "sdpa"], False), (["--no_shared_prompt"], False):
         out = tiny_dir + f"-setup-{len(flags)}-{shared}"
-        run = setup(parse_args(grpo.Args, "grpo", "", argv=["--rollout", "hf", "--eval_n", "2", "--out", out,
-                                                           *flags]), "grpo")
+        run = setup(parse_args(grpo.Args, "grpo", "", argv=["--rollout", "hf", "--eval_n", "2",
+                                                           "--out", out, *flags]), "grpo")
         assert run.passes.shared is shared
         run.metrics.close()
         shutil.rmtree(out)

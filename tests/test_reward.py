@@ -1,6 +1,8 @@
-"""math_reward: right and wrong answers in GSM8K and MATH style, what math-verify pays beyond them, no credit without a
-final answer, bounded time, never raises, failures counted."""
+"""math_reward: right and wrong answers in GSM8K and MATH style, what math-verify pays beyond
+them, no credit without a final answer, no credit for arithmetic left undone against a number,
+bounded time (and no alarm off the main thread), never raises, failures counted."""
 import collections
+import concurrent.futures
 import multiprocessing
 import os
 import re
@@ -8,7 +10,7 @@ import time
 
 import pytest
 
-from common import VerifyTimeout, extract_answer, math_reward, score, time_limit
+from common import VerifyTimeout, extract_answer, is_computation, math_reward, score, time_limit
 from common import gold_answer
 
 RIGHT = [  # (completion, gold): each must score 1.0
@@ -38,9 +40,10 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("<answer>$18 per day</answer>", "18"),
     ("<answer>18 eggs.</answer>", "18"),
     ("<answer>5\\%</answer>", "5"),
-    # plain-text final answers after math-verify's anchors ("final answer is", "answer is", "answer:"): a sample of
-    # real references (GSM8K test, MATH-500) in the phrasings instruct models write. Every GSM8K and MATH-500 test
-    # reference in six such phrasings was paid, and none off by one (docs/grpo.md#reward).
+    # plain-text final answers after math-verify's anchors ("final answer is", "answer is",
+    # "answer:"): a sample of real references (GSM8K test, MATH-500) in the phrasings instruct
+    # models write. Every GSM8K and MATH-500 test reference in six such phrasings was paid, and
+    # none off by one (docs/grpo.md#reward).
     ("The answer is 18.", "18"),
     ("The final answer is 18.", "18"),
     ("Answer: 70000", "70000"),
@@ -48,7 +51,8 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("So the answer is 460 dollars.", "460"),
     ("Therefore, the answer is: 1.25\nDone.", "1.25"),
     ("The final answer is $\\frac{14}{3}$. I hope it is correct.", "\\frac{14}{3}"),
-    ("Answer: \\left( 3, \\frac{\\pi}{2} \\right)", "\\left( 3, \\frac{\\pi}{2} \\right)"),
+    ("Answer: \\left( 3, \\frac{\\pi}{2} \\right)",
+     "\\left( 3, \\frac{\\pi}{2} \\right)"),
     ("The final answer is $p - q$.", "p - q"),
     ("So the answer is 3\\sqrt{13}.", "3\\sqrt{13}"),
     ("The answer is \\text{Evelyn}.", "\\text{Evelyn}"),
@@ -75,18 +79,30 @@ RIGHT = [  # (completion, gold): each must score 1.0
     # the old single-value reader refused these (a review of issue 27): math-verify pays them
     ("<answer>18 m^2</answer>", "18"),  # a unit with an exponent
     ("<answer>- 5</answer>", "-5"),  # a sign set apart from its number
-    ("<answer>1\\,000</answer>", "1000"),  # LaTeX's thin space as a thousands separator (math-verify alone: 1 * 000)
+    # LaTeX's thin space as a thousands separator (math-verify alone: 1 * 000)
+    ("<answer>1\\,000</answer>", "1000"),
     ("\\boxed{1\\,234\\,567}", "1234567"),
+    # a number with its working: the value read is the equation's last side
+    ("<answer>82 + 57 = 139</answer>", "139"),
+    # an expression gold is math-verify's to judge: the computation is the answer
+    ("<answer>2^{10}</answer>", "2^{10}"),
+    ("<answer>x+1</answer>", "x+1"),
+    # math-verify compares decimals to 6 places, and reads a percent as a fraction
+    ("<answer>0.1234567</answer>", "0.1234568"),
+    ("<answer>0.333333</answer>", "1/3"),
+    ("<answer>50%</answer>", "0.5"),
 ]
 WRONG = [  # each must score 0.0
     ("<answer>17</answer>", "18"),
     ("Janet makes 18 dollars a day.", "18"),  # no final-answer marker: no credit
     ("The final answer is 19.", "18"),  # off by one
     ("Answer: \\frac{3}{14}", "\\frac{14}{3}"),
-    ("The answer is 18 or 19.", "18"),  # a hedge after the anchor: math-verify reads a set, or the last number
+    # a hedge after the anchor: math-verify reads a set, or the last number
+    ("The answer is 18 or 19.", "18"),
     ("I will find the answer to 47+38. 47+38 = 85", "85"),  # 'answer to' is no anchor
     ("The final answer is 18.\n#### 17", "18"),  # '####' outranks the anchor, as the tag and box do
-    ("What is 3+4?", "7"),  # echoing the question must not be paid (math-verify alone would evaluate 3+4)
+    # echoing the question must not be paid (math-verify alone would evaluate 3+4)
+    ("What is 3+4?", "7"),
     ("<answer>18 or 19</answer>", "18"),
     ("\\boxed{(2, 1)}", "(1,2)"),
     ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}"),
@@ -102,26 +118,50 @@ WRONG = [  # each must score 0.0
     ("<answer>Janet makes $18 every day.</answer>", "19"),
     ("<answer>~12</answer>", "12"),
     ("<answer>12 \u0661\u0663</answer>", "12"),  # a second number in other digits
+    ("<answer>0.333</answer>", "1/3"),  # close is not equal: 6 decimal places are
+    ("<answer>18.0001</answer>", "18"),
 ]
-PAID_BY_MATH_VERIFY = [  # (completion, gold, why): the old single-value reader refused these; math-verify pays them,
-    # reading the answer as LaTeX (which evaluates) and as plain text (which takes a number out of the words);
-    # docs/grpo.md#reward: each must score 1.0.
-    ("answer: 47+38", "85", "the question copied after the anchor: both readings evaluate the sum"),
-    ("<answer>3+4</answer>", "7", "the question copied into the tag: the sum is evaluated"),
-    ("<answer>47 + 38 = 85</answer>", "85", "an equation: the plain-text reading takes its right-hand side"),
-    ("<answer>12 - 7</answer>", "5", "a subtraction left undone is evaluated"),
-    ("<answer>170/2</answer>", "85", "a division left undone is evaluated"),
+# Arithmetic on numbers left undone, against a number: math-verify would evaluate it and pay, but a
+# number must be matched by a number (docs/grpo.md#reward). Each copies the question, or part of it.
+COMPUTATIONS = [
+    ("<answer>82 + 57</answer>", "139"),  # the chains and toy questions are sums
+    ("answer: 47+38", "85"),  # after the anchor
+    ("<answer>3+4</answer>", "7"),
+    ("The answer is 82+57.", "139"),
+    ("\\boxed{82+57}", "139"),
+    ("<answer>(82) + {57}</answer>", "139"),  # brackets and braces
+    ("<answer>12 - 7</answer>", "5"),  # a difference
+    ("<answer>3 \\times 4</answer>", "12"),  # products
+    ("<answer>3 \\cdot 4</answer>", "12"),
+    ("<answer>3*4</answer>", "12"),
+    ("<answer>2^{10}</answer>", "1024"),  # a power
+    ("<answer>x = 82 + 57</answer>", "139"),  # the value read: the last side of an equation
+    ("<answer>139 = 82 + 57</answer>", "139"),
+    ("<answer>The total is 82 + 57</answer>", "139"),  # in words
+    ("<answer>4 + 2/3</answer>", "\\frac{14}{3}"),  # against a fraction too
+    ("<answer>-3 - 4</answer>", "-7"),  # against a negative number
+]
+# (completion, gold, why): the old single-value reader refused these; math-verify pays them,
+# reading the answer as LaTeX (which evaluates) and as plain text (which takes a number out of the
+# words); docs/grpo.md#reward: each must score 1.0.
+PAID_BY_MATH_VERIFY = [
+    ("<answer>47 + 38 = 85</answer>", "85",
+     "an equation: the plain-text reading takes its right-hand side"),
+    ("<answer>170/2</answer>", "85", "a division left undone is a fraction, and evaluated"),
     ("\\boxed{\\frac{36}{2}}", "18", "a fraction not in lowest terms is evaluated"),
     ("<answer>6/8</answer>", "0.75", "a fraction not in lowest terms has the gold's value"),
     ("<answer>\\sqrt{7225}</answer>", "85", "the LaTeX reading evaluates the root"),
     ("<answer>18!</answer>", "18", "the plain-text reading takes the number, not its factorial"),
     ("<answer>18\u00b2</answer>", "18", "the plain-text reading takes the number, not its square"),
-    ("<answer>\\log 18</answer>", "18", "the plain-text reading takes the number out of the command"),
+    ("<answer>\\log 18</answer>", "18",
+     "the plain-text reading takes the number out of the command"),
     ("<answer>2x</answer>", "2", "the plain-text reading drops the variable stuck to the number"),
     ("<answer>18 x</answer>", "18", "the plain-text reading drops the variable after the number"),
-    ("<answer>12 times x</answer>", "12", "an operation on a variable, in words: the number is taken"),
+    ("<answer>12 times x</answer>", "12",
+     "an operation on a variable, in words: the number is taken"),
     ("<answer>12 over x</answer>", "12", "a division by a variable, in words: the number is taken"),
-    ("The answer is 12 or thirteen.", "12", "a choice with the second number in words: its one number in digits"),
+    ("The answer is 12 or thirteen.", "12",
+     "a choice with the second number in words: its one number in digits"),
     ("<answer>18 or 19</answer>", "19", "a choice: the plain-text reading takes the last number"),
     ("The answer is 12 minus seven", "12", "an operation in words: the number is taken"),
     ("The answer: 12 is impossible", "12", "a negation: the number is taken"),
@@ -151,6 +191,42 @@ def test_what_math_verify_pays_beyond_a_single_value(completion, gold, why):
     assert math_reward(completion, gold) == 1.0, why
 
 
+@pytest.mark.parametrize("completion,gold", COMPUTATIONS)
+def test_arithmetic_left_undone_is_not_paid_for_a_number(completion, gold):
+    """math-verify alone pays each of these (the sum is evaluated): the check before it refuses."""
+    from math_verify import parse, verify
+    answer = extract_answer(completion)
+    assert is_computation(answer), answer
+    assert math_reward(completion, gold) == 0.0
+    # without the check math-verify pays it: the test can fail
+    as_latex = parse(f"\\boxed{{{answer}}}")
+    as_text = parse(answer)
+    gold_value = parse(f"\\boxed{{{gold}}}")
+    assert verify(gold_value, as_latex) or verify(gold_value, as_text), completion
+
+
+def test_what_is_a_computation():
+    computed = ["82+57", "82 + 57", "3\\times 4", "3 \\cdot4", "2^{10}", "(3)(4) = 3*4", "-3 - 4"]
+    for answer in computed:
+        assert is_computation(answer), answer
+    numbers = ["139", "-5", "- 5", "3/4", "\\frac{3}{4}", "1,000", "18 m^2", "x^2", "82 + 57 = 139",
+               "18 dollars", "2x", "$18/day"]
+    for answer in numbers:
+        assert not is_computation(answer), answer
+
+
+def test_a_right_answer_scores_off_the_main_thread():
+    """A signal reaches the main thread only: scored in a thread pool, the reward runs without the
+    alarm instead of failing every answer (signal.signal raises there)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        rewards = list(pool.map(math_reward, ["<answer>18</answer>", "\\boxed{7}"], ["18", "8"]))
+    assert rewards == [1.0, 0.0]
+    counts = collections.Counter()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(math_reward, "<answer>18</answer>", "18", 5.0, counts).result()
+    assert counts["error"] == 0 and counts["timeout"] == 0
+
+
 def test_extract_answer_priorities():
     assert extract_answer("\\boxed{1} then <answer>2</answer>") == "2"
     assert extract_answer("<answer>so \\boxed{3}.</answer>") == "3"
@@ -165,9 +241,10 @@ def test_extract_answer_priorities():
 
 
 def test_the_docs_table_of_cases_is_what_math_reward_pays():
-    """docs/grpo.md#reward's table of cases (rows `| `completion` | `gold` | 0 or 1 | why |`): each row's reward is
-    what math_reward gives."""
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "grpo.md")).read()
+    """docs/grpo.md#reward's table of cases (rows `| `completion` | `gold` | 0 or 1 | why |`):
+    each row's reward is what math_reward gives."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(repo, "docs", "grpo.md")).read()
     section = text.split('<a id="reward"></a>')[1].split("<a id=")[0]
     rows = re.findall(r"^ *\| `(.+?)` \| `(.+?)` \| ([01]) \|", section, re.M)
     assert len(rows) >= 12, f"only {len(rows)} rows of cases found in docs/grpo.md#reward"
@@ -180,8 +257,10 @@ def test_gold_answer_conventions():
     assert gold_answer({"answer": "Janet sells 9 eggs.\n#### 1,018"}) == "1018"  # GSM8K
     assert gold_answer({"answer": 27.0}) == "27"  # AMC stores floats
     assert gold_answer({"answer": 1234567}) == "1234567" and gold_answer({"answer": 0.25}) == "0.25"
-    assert gold_answer({"solution": "so $x = \\boxed{\\frac{1}{2}}$."}) == "\\frac{1}{2}"  # MATH train
-    assert gold_answer({"answer": "\\left( 3, \\frac{\\pi}{2} \\right)"}) == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    # MATH train
+    assert gold_answer({"solution": "so $x = \\boxed{\\frac{1}{2}}$."}) == "\\frac{1}{2}"
+    pair = "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert gold_answer({"answer": pair}) == pair
     assert gold_answer({"question": "q"}) is None
 
 
@@ -190,7 +269,8 @@ def test_gold_answer_conventions():
 def test_never_raises(bad):
     t0 = time.time()
     assert math_reward(bad, "1", timeout=1.0) == 0.0
-    assert math_reward("\\boxed{1}", bad if isinstance(bad, str) else "1", timeout=1.0) in (0.0, 1.0)
+    gold = bad if isinstance(bad, str) else "1"
+    assert math_reward("\\boxed{1}", gold, timeout=1.0) in (0.0, 1.0)
     assert time.time() - t0 < 4.0
 
 
@@ -218,12 +298,13 @@ def score_adversarial(timeout, slowest):
 
 
 def test_extraction_and_math_verify_finish_on_adversarial_inputs():
-    """The reward's alarm cannot interrupt a regex match inside C, and the extraction runs before the alarm is set: so
-    neither the extraction (its anchor regex has no adjacent \\s* or \\s+, the tag is found with str.rfind) nor
-    math-verify's parsing of an answer of up to 1,000 characters may spend long in one uninterruptible match. With a
-    0.2 s limit every call must return within 1 s (the limit plus slack for a loaded machine); a child process scores
-    them (3 rounds) and is killed after 30 s, a hang guard. Before issue 19 the extraction of each of the first two
-    took 1.3 s; math-verify itself spends up to about 2 s on some of them when given its default 5 s."""
+    """The reward's alarm cannot interrupt a regex match inside C, and the extraction runs before
+    the alarm is set: so neither the extraction (its anchor regex has no adjacent \\s* or \\s+, the
+    tag is found with str.rfind) nor math-verify's parsing of an answer of up to 1,000 characters
+    may spend long in one uninterruptible match. With a 0.2 s limit every call must return within
+    1 s (the limit plus slack for a loaded machine); a child process scores them (3 rounds) and is
+    killed after 30 s, a hang guard. Before issue 19 the extraction of each of the first two took
+    1.3 s; math-verify itself spends up to about 2 s on some of them when given its default 5 s."""
     math_reward("\\boxed{1}", "x")  # imports math-verify here, before the fork
     context = multiprocessing.get_context("fork")
     slowest = context.Value("d", 0.0)
@@ -238,8 +319,10 @@ def test_extraction_and_math_verify_finish_on_adversarial_inputs():
 
 
 def test_pathological_latex_returns_within_the_time_limit():
-    evil = ["\\boxed{9^{9^{9^{9^{9}}}}}", "\\boxed{" + "+".join(f"x_{{{i}}}^{{{i}}}" for i in range(400)) + "}",
-            "\\boxed{\\sum_{n=1}^{10^{12}} n^{n}}", "\\boxed{(" + ",".join(["\\sqrt{2}"] * 400) + ")}"]
+    evil = ["\\boxed{9^{9^{9^{9^{9}}}}}",
+            "\\boxed{" + "+".join(f"x_{{{i}}}^{{{i}}}" for i in range(400)) + "}",
+            "\\boxed{\\sum_{n=1}^{10^{12}} n^{n}}",
+            "\\boxed{(" + ",".join(["\\sqrt{2}"] * 400) + ")}"]
     for completion in evil:
         t0 = time.time()
         assert math_reward(completion, "\\frac{1}{2}", timeout=2.0) == 0.0
@@ -251,12 +334,14 @@ def test_timeouts_and_misses_are_counted():
     assert rewards == [0.0, 1.0] and counts["calls"] == 2 and counts["no_answer"] == 1
     counts = collections.Counter()
     t0 = time.time()
-    assert math_reward("\\boxed{1}", "x" * 200_000, timeout=0.3, counts=counts) == 0.0  # a slow gold
+    # a slow gold
+    assert math_reward("\\boxed{1}", "x" * 200_000, timeout=0.3, counts=counts) == 0.0
     assert counts["timeout"] == 1 and time.time() - t0 < 1.5
 
 
 def test_an_alarm_that_is_swallowed_comes_again():
-    """Python drops an exception raised in a weakref callback or __del__: the timer must fire again."""
+    """Python drops an exception raised in a weakref callback or __del__: the timer must fire
+    again."""
     t0 = time.time()
     swallowed = 0
     with pytest.raises(VerifyTimeout):

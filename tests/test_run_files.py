@@ -1,5 +1,5 @@
-"""common.py's run files: the phase timer, the run's plot, flag parsing (recipe defaults, a script's recipe, bool
-spellings, the resume merge) and the per-batch metrics."""
+"""common.py's run files: the phase timer, the run's plot, flag parsing (recipe defaults, a script's
+recipe, bool spellings, the resume merge) and the per-batch metrics."""
 import json
 from dataclasses import dataclass
 
@@ -7,12 +7,14 @@ import pytest
 import torch
 
 import common
-from common import DATASETS, RECIPE, PhaseTimer, Sample, arg, batch_metrics, parse_args, plot_metrics
+from common import (DATASETS, RECIPE, PhaseTimer, Sample, arg, batch_metrics, parse_args,
+                    plot_metrics)
 
 
 def test_phase_timer_adds_up_each_phase_and_the_whole_step(monkeypatch):
-    """Phases do not nest: each `with timer(name)` adds its seconds to name_s; step_s is everything since the timer
-    was made, so the phases sum to at most step_s (the rest is outside every phase)."""
+    """Phases do not nest: each `with timer(name)` adds its seconds to name_s; step_s is everything
+    since the timer was made, so the phases sum to at most step_s (the rest is outside every
+    phase)."""
     now = [0.0]
     monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
     timer = PhaseTimer()
@@ -32,7 +34,8 @@ def test_phase_timer_adds_up_each_phase_and_the_whole_step(monkeypatch):
 
 
 def test_plot_metrics_writes_a_png_and_skips_a_cut_line(tmp_path):
-    rows = [{"step": 0, "eval_accuracy": 0.5}] + [{"step": s, "reward_mean": s / 10, "step_s": 1.0 + s}
+    rows = [{"step": 0, "eval_accuracy": 0.5}] + [{"step": s, "reward_mean": s / 10,
+                                                   "step_s": 1.0 + s}
                                                   for s in range(1, 5)]
     text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "rew'
     (tmp_path / "metrics.jsonl").write_text(text)
@@ -42,7 +45,8 @@ def test_plot_metrics_writes_a_png_and_skips_a_cut_line(tmp_path):
 
 
 @dataclass
-class Flags:  # the shared flags parse_args and check_flags read; the recipe's own default None, as recipe_arg gives
+class Flags:  # the shared flags parse_args and check_flags read; the recipe's own default None,
+    # as recipe_arg gives
     dataset: str = arg("toy", "dataset")
     out: str = arg("", "output")
     resume: str = arg("", "resume")
@@ -80,19 +84,24 @@ class Flags:  # the shared flags parse_args and check_flags read; the recipe's o
     ckpt: bool = arg(None, "a switch whose default is decided later")
 
 
-RECIPE_KEYS = ("model", "template", "prompts_per_step", "lr", "max_tokens", "steps", "eval_every", "eval_n")
+RECIPE_KEYS = ("model", "template", "prompts_per_step", "lr", "max_tokens", "steps", "eval_every",
+               "eval_n")
 
 
 def test_parse_args_fills_the_recipe_of_the_toy_and_of_a_local_folder(tmp_path):
     out = ["--out", str(tmp_path / "o")]
     args = parse_args(Flags, "m", "", argv=["--seed", "3", "--no_floor", *out])
-    assert isinstance(args, Flags) and (args.seed, args.floor, args.out) == (3, False, str(tmp_path / "o"))
-    assert tuple(getattr(args, k) for k in RECIPE_KEYS) == tuple(DATASETS["toy"][k] for k in RECIPE_KEYS)
+    assert (isinstance(args, Flags)
+            and (args.seed, args.floor, args.out) == (3, False, str(tmp_path / "o")))
+    assert tuple(getattr(args, k) for k in RECIPE_KEYS) == tuple(DATASETS["toy"][k]
+                                                                 for k in RECIPE_KEYS)
     assert (args.lr, args.max_tokens, args.steps) == (3e-4, 24, 40)
-    args = parse_args(Flags, "m", "", argv=["--dataset", str(tmp_path), *out])  # a local folder: RECIPE
+    # a local folder: RECIPE
+    args = parse_args(Flags, "m", "", argv=["--dataset", str(tmp_path), *out])
     assert tuple(getattr(args, k) for k in RECIPE_KEYS) == tuple(RECIPE[k] for k in RECIPE_KEYS)
     assert (args.lr, args.max_tokens, args.template) == (1e-6, 1024, "plain")
-    args = parse_args(Flags, "m", "", argv=["--lr", "0.5", "--max_tokens", "7", *out])  # an explicit flag wins
+    # an explicit flag wins
+    args = parse_args(Flags, "m", "", argv=["--lr", "0.5", "--max_tokens", "7", *out])
     assert (args.lr, args.max_tokens, args.steps) == (0.5, 7, 40)
 
 
@@ -100,8 +109,10 @@ def test_parse_args_resolves_the_defaults_decided_later(tmp_path):
     args = parse_args(Flags, "m", "", argv=["--out", str(tmp_path / "o")])
     cuda = torch.cuda.is_available()
     assert args.grad_ckpt is cuda and args.token_budget == (16384 if cuda else 4096)
-    assert parse_args(Flags, "m", "", argv=["--attn", "sdpa", "--out", str(tmp_path / "o")]).token_budget == 512
-    assert parse_args(Flags, "m", "", argv=["--grad_ckpt", "true", "--out", str(tmp_path / "o")]).grad_ckpt is True
+    assert parse_args(Flags, "m", "",
+                      argv=["--attn", "sdpa", "--out", str(tmp_path / "o")]).token_budget == 512
+    assert parse_args(Flags, "m", "",
+                      argv=["--grad_ckpt", "true", "--out", str(tmp_path / "o")]).grad_ckpt is True
     args = parse_args(Flags, "m", "", argv=["--dataset", str(tmp_path / "mine") + "/"])
     assert args.out.startswith("runs/m-mine-")  # runs/<method>-<dataset>-<time>
 
@@ -112,8 +123,8 @@ class OwnDefault(Flags):
 
 
 def test_the_recipe_leaves_a_scripts_own_default_alone(tmp_path):
-    """The recipe fills the flags whose default is None (recipe_arg); a flag with a default of its own keeps it, as
-    --help says (cppo.py: --prompts_per_step 8)."""
+    """The recipe fills the flags whose default is None (recipe_arg); a flag with a default of its
+    own keeps it, as --help says (cppo.py: --prompts_per_step 8)."""
     args = parse_args(OwnDefault, "m", "", argv=["--out", str(tmp_path / "o")])
     assert args.prompts_per_step == 4 and args.lr == DATASETS["toy"]["lr"]
 
@@ -126,11 +137,14 @@ def test_a_scripts_recipe_reads_the_first_parse_and_loses_to_an_explicit_flag(tm
         return {"lr": 1e-3 * (first["prompts_per_step"] or 32), "steps": 3}
     out = ["--out", str(tmp_path / "o")]
     args = parse_args(Flags, "m", "", recipe=recipe, argv=["--prompts_per_step", "8", *out])
-    assert seen[-1]["prompts_per_step"] == 8 and seen[-1]["lr"] is None  # the command line alone
-    assert (args.prompts_per_step, args.lr, args.steps) == (8, 8e-3, 3)  # the script's recipe over the dataset's
+    # the command line alone
+    assert seen[-1]["prompts_per_step"] == 8 and seen[-1]["lr"] is None
+    # the script's recipe over the dataset's
+    assert (args.prompts_per_step, args.lr, args.steps) == (8, 8e-3, 3)
     args = parse_args(Flags, "m", "", recipe=recipe, argv=out)
     assert (args.prompts_per_step, args.lr) == (DATASETS["toy"]["prompts_per_step"], 32e-3)
-    args = parse_args(Flags, "m", "", recipe=recipe, argv=["--prompts_per_step", "8", "--lr", "0.5", "--steps=9", *out])
+    args = parse_args(Flags, "m", "", recipe=recipe,
+                      argv=["--prompts_per_step", "8", "--lr", "0.5", "--steps=9", *out])
     assert (args.prompts_per_step, args.lr, args.steps) == (8, 0.5, 9)
 
 
@@ -138,7 +152,8 @@ def test_bool_flags_take_every_spelling(tmp_path):
     out = ["--out", str(tmp_path / "o")]
     with pytest.raises(SystemExit):
         parse_args(Flags, "m", "", argv=["--floor", "maybe", *out])
-    spellings = {"": (True, None), "--no-floor --ckpt": (False, True), "--floor false --ckpt no": (False, False),
+    spellings = {"": (True, None), "--no-floor --ckpt": (False, True),
+                 "--floor false --ckpt no": (False, False),
                  "--no_floor --ckpt=false": (False, False), "--floor=yes --ckpt true": (True, True)}
     for argv, want in spellings.items():
         args = parse_args(Flags, "m", "", argv=argv.split() + out)
@@ -157,12 +172,14 @@ def test_resume_takes_the_saved_flags_and_a_flag_given_again_wins(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoint-3").mkdir(parents=True)
     (run / "checkpoint-3" / "state.pt").write_bytes(b"")  # parse_args only looks for it
-    saved = {"seed": 7, "lr": 1e-3, "steps": 9, "out": "elsewhere", "floor": False, "prompts_per_step": 5,
-             "token_budget": 777, "grad_ckpt": True, "not_a_flag_here": 1}
+    saved = {"seed": 7, "lr": 1e-3, "steps": 9, "out": "elsewhere", "floor": False,
+             "prompts_per_step": 5, "token_budget": 777, "grad_ckpt": True, "not_a_flag_here": 1}
     (run / "config.json").write_text(json.dumps({"args": saved}))
     args = parse_args(Flags, "m", "", argv=["--resume", str(run), "--steps", "12"])
-    assert (args.seed, args.lr, args.steps, args.out, args.resume) == (7, 1e-3, 12, str(run), str(run))
-    assert (args.floor, args.prompts_per_step, args.token_budget, args.grad_ckpt) == (False, 5, 777, True)
+    assert (args.seed, args.lr, args.steps, args.out, args.resume) == (
+        7, 1e-3, 12, str(run), str(run))
+    assert (args.floor, args.prompts_per_step, args.token_budget, args.grad_ckpt) == (
+        False, 5, 777, True)
 
 
 @pytest.mark.parametrize("config", ["{not json", '{"no_args": 1}', None])
@@ -187,5 +204,6 @@ def test_batch_metrics_by_hand():
     assert m["reward_mean"] == 0.75 and m["zero_std_groups"] == 0.5
     assert m["reward_std"] == pytest.approx(0.1875 ** 0.5)  # population std of 1, 0, 1, 1
     assert m["completion_len"] == 6 / 4 and m["tokens"] == 4 + 3 + 4 + 1
-    assert m["truncated"] == 2 / 4  # [5] and [6, 6, 6] end without a stop token; [] is not truncated
+    # [5] and [6, 6, 6] end without a stop token; [] is not truncated
+    assert m["truncated"] == 2 / 4
     assert (m["verify_timeouts"], m["verify_errors"], m["no_answer"]) == (1, 0, 2)

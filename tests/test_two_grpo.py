@@ -1,7 +1,7 @@
-"""2-GRPO: +-1 / 0 pair advantages (group_advantages with the population std and eps 0), the paper's contrastive
-pair loss (v2 Eq. 14) equals the GRPO loss with G = 2 and the population std, skipping tied pairs leaves the update
-unchanged, the 2-GRPO+RS draw sizes, and the script end to end (defaults scaled from the GRPO recipe, resume, bad
-input, the logged phases)."""
+"""2-GRPO: +-1 / 0 pair advantages (group_advantages with the population std and eps 0), the
+paper's contrastive pair loss (v2 Eq. 14) equals the GRPO loss with G = 2 and the population std,
+skipping tied pairs leaves the update unchanged, the 2-GRPO+RS draw sizes, and the script end to
+end (defaults scaled from the GRPO recipe, resume, bad input, the logged phases)."""
 import dataclasses
 import json
 import os
@@ -9,8 +9,10 @@ import os
 import pytest
 import torch
 
-from common import Passes, Sample, group_advantages, packed_logprobs, policy_update, token_coefficients
-from conftest import RecordingOptimizer as Capture  # keeps the accumulated gradient instead of stepping
+from common import (Passes, Sample, group_advantages, packed_logprobs, policy_update,
+                    token_coefficients)
+# keeps the accumulated gradient instead of stepping
+from conftest import RecordingOptimizer as Capture
 from conftest import assert_grads_close
 from test_cli import REPO, rows, run
 from two_grpo import Args, prompts_to_draw, rows_to_train
@@ -20,7 +22,8 @@ PHASES = ["rollout_s", "reward_s", "logp_s", "update_s", "push_s"]  # not nested
 
 
 def test_group_advantages_of_pairs_are_exactly_plus_minus_one_or_zero():
-    """group_advantages as two_grpo.py calls it, with the script's defaults: population std, eps 0."""
+    """group_advantages as two_grpo.py calls it, with the script's defaults: population std,
+    eps 0."""
     assert (Args.std_mode, Args.adv_eps) == ("population", 0.0)
     r = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
     got = group_advantages(r, Args.std_mode, Args.adv_eps)
@@ -34,9 +37,9 @@ def test_group_advantages_of_pairs_are_exactly_plus_minus_one_or_zero():
 
 
 def eq14_loss(model, samples, old, eps_low, eps_high, vocab):
-    """-J of the paper's Eq. 14, written from the paper, one unpacked forward per completion: per pair,
-    1(r1 != r2) * 1/2 * (mean_t min(rho, 1 + eps_high) over the correct one - mean_t max(rho, 1 - eps_low) over the
-    wrong one), averaged over pairs."""
+    """-J of the paper's Eq. 14, written from the paper, one unpacked forward per completion: per
+    pair, 1(r1 != r2) * 1/2 * (mean_t min(rho, 1 + eps_high) over the correct one -
+    mean_t max(rho, 1 - eps_low) over the wrong one), averaged over pairs."""
     pairs, total = len(samples) // 2, 0.0
     for p in range(pairs):
         a, b = samples[2 * p], samples[2 * p + 1]
@@ -50,7 +53,8 @@ def eq14_loss(model, samples, old, eps_low, eps_high, vocab):
 
 
 def with_coefs(samples, coefs):
-    """Copies of `samples` carrying their loss coefficients c_i, as the script sets them before the update."""
+    """Copies of `samples` carrying their loss coefficients c_i, as the script sets them before the
+    update."""
     return [dataclasses.replace(s, coef=c) for s, c in zip(samples, coefs.tolist())]
 
 
@@ -58,9 +62,11 @@ def pair_batch(tiny):
     model, tokenizer = tiny
     enc = lambda text: tokenizer(text)["input_ids"]
     prompts = [enc("What is 12 + 34?"), enc("What is 50 + 27?"), enc("What is 88 + 11?")]
-    completions = [enc("<answer>46</answer>"), enc("<answer>4</answer> no"), enc("<answer>77</answer>"),
-                   enc("<answer>77</answer>"), enc("so <answer>99"), enc("<answer>98</answer>")]
-    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])  # mixed, tied, mixed (worse one first)
+    completions = [enc("<answer>46</answer>"), enc("<answer>4</answer> no"),
+                   enc("<answer>77</answer>"), enc("<answer>77</answer>"),
+                   enc("so <answer>99"), enc("<answer>98</answer>")]
+    # mixed, tied, mixed (worse one first)
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
     adv = group_advantages(rewards, Args.std_mode, Args.adv_eps)
     return [Sample(prompts[i // 2], c, rewards.view(-1)[i].item(), adv.view(-1)[i].item())
             for i, c in enumerate(completions)]
@@ -70,15 +76,18 @@ def test_eq14_pair_loss_equals_the_grpo_loss_with_g2_and_population_std(tiny):
     model, tokenizer = tiny
     vocab, samples = len(tokenizer), pair_batch(tiny)
     torch.manual_seed(0)
-    with torch.no_grad():  # an old policy away from the current one, so both clips bind on some tokens
-        old = [packed_logprobs(model, [s], 1.0, vocab, 1024) + 0.4 * torch.randn(len(s.completion_ids))
+    # an old policy away from the current one, so both clips bind on some tokens
+    with torch.no_grad():
+        old = [packed_logprobs(model, [s], 1.0, vocab, 1024)
+               + 0.4 * torch.randn(len(s.completion_ids))
                for s in samples]
-    samples = with_coefs(samples, token_coefficients([len(s.completion_ids) for s in samples], "seq_mean"))
+    samples = with_coefs(samples, token_coefficients([len(s.completion_ids) for s in samples],
+                                                     "seq_mean"))
     for s, lp in zip(samples, old):
         s.old_logps = lp
     opt = Capture(model)
-    stats = policy_update(model, opt, samples, Passes(1.0, vocab, token_budget=64), clip=(0.2, 0.28), beta=0.0,
-                          grad_clip=1e9)
+    stats = policy_update(model, opt, samples, Passes(1.0, vocab, token_budget=64),
+                          clip=(0.2, 0.28), beta=0.0, grad_clip=1e9)
     assert 0 < stats["clip_frac"] < 1
     model.zero_grad()
     want = eq14_loss(model, samples, old, 0.2, 0.28, vocab)
@@ -95,8 +104,9 @@ def test_training_on_mixed_pairs_only_gives_the_same_update(tiny, loss_agg):
     kw = dict(clip=(0.2, 0.28), beta=0.0)
     passes = Passes(1.0, vocab, token_budget=64)
     full, part = Capture(model), Capture(model)
-    policy_update(model, full, with_coefs(samples, token_coefficients([len(s.completion_ids) for s in samples],
-                                                                     loss_agg)), passes, **kw)
+    policy_update(model, full,
+                  with_coefs(samples, token_coefficients([len(s.completion_ids) for s in samples],
+                                                         loss_agg)), passes, **kw)
     keep, coefs = rows_to_train(samples, loss_agg, None, len(samples), skip_tied=True)
     assert keep == [0, 1, 4, 5]  # the tied pair (rows 2, 3) never reaches the trainer
     stats = policy_update(model, part, with_coefs([samples[i] for i in keep], coefs), passes, **kw)
@@ -104,9 +114,11 @@ def test_training_on_mixed_pairs_only_gives_the_same_update(tiny, loss_agg):
     assert_grads_close(part.grads, full.grads, rel=1e-5)
     # a 2-GRPO+RS batch cut short at the cap: 3 pairs in 4 slots are still normalised by all 8 slots
     keep, coefs = rows_to_train(samples, "seq_mean", None, 8, skip_tied=True)
-    assert torch.allclose(coefs, torch.tensor([1 / (8 * len(samples[i].completion_ids)) for i in keep]))
+    assert torch.allclose(coefs, torch.tensor([1 / (8 * len(samples[i].completion_ids))
+                                               for i in keep]))
     tied = [Sample([1], [2], 1.0, 0.0), Sample([1], [3], 1.0, 0.0)]
-    assert rows_to_train(tied, loss_agg, None, 2, skip_tied=True)[0] == [0]  # one zero-gradient row keeps Adam going
+    # one zero-gradient row keeps Adam going
+    assert rows_to_train(tied, loss_agg, None, 2, skip_tied=True)[0] == [0]
     assert rows_to_train(samples, loss_agg, None, 6, skip_tied=False)[0] == list(range(6))
 
 
@@ -114,9 +126,12 @@ def test_scaled_recipe_is_the_papers_linear_rule_except_on_the_built_in_tasks():
     from two_grpo import scaled_recipe
     # the paper: 16-GRPO's 1e-6 at 32 prompts -> 256 pairs at 8e-6
     assert scaled_recipe(32, 1e-6, "math") == (256, pytest.approx(8e-6))
-    assert scaled_recipe(32, 1e-6, "data.jsonl", 64) == (64, pytest.approx(2e-6))  # a B given: its rate
-    # built-in tasks: grpo.py's rollouts in pairs at grpo.py's rate (linear scaling is unstable there)
-    assert scaled_recipe(32, 3e-4, "toy") == (128, 3e-4) and scaled_recipe(16, 3e-4, "chains") == (64, 3e-4)
+    # a B given: its rate
+    assert scaled_recipe(32, 1e-6, "data.jsonl", 64) == (64, pytest.approx(2e-6))
+    # built-in tasks: grpo.py's rollouts in pairs at grpo.py's rate
+    # (linear scaling is unstable there)
+    assert (scaled_recipe(32, 3e-4, "toy") == (128, 3e-4)
+            and scaled_recipe(16, 3e-4, "chains") == (64, 3e-4))
     assert scaled_recipe(16, 3e-4, "chains", 10) == (10, 3e-4)
 
 
@@ -136,9 +151,11 @@ def test_two_grpo_toy_run_defaults_and_resume(tmp_path):
     result = run(SMALL + ["--steps", "2", "--eval_every", "0", "--out", out], script="two_grpo.py")
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.load(open(os.path.join(out, "config.json")))["args"]
-    # the toy's GRPO rate, unscaled (docs/two_grpo.md#toy); G = 2, population std, no eps, clip-higher, no KL
+    # the toy's GRPO rate, unscaled (docs/two_grpo.md#toy); G = 2, population std, no eps,
+    # clip-higher, no KL
     assert config["lr"] == pytest.approx(3e-4) and config["group_size"] == 2
-    assert (config["std_mode"], config["adv_eps"], config["eps_high"], config["beta"]) == ("population", 0.0, 0.28, 0.0)
+    assert (config["std_mode"], config["adv_eps"], config["eps_high"],
+            config["beta"]) == ("population", 0.0, 0.28, 0.0)
     assert json.load(open(os.path.join(out, "config.json")))["ideal_trained_fraction"] == 1.0
     assert os.path.exists(os.path.join(out, "metrics.png"))
     logged = rows(out)
@@ -151,12 +168,14 @@ def test_two_grpo_toy_run_defaults_and_resume(tmp_path):
     result = run(["--resume", out, "--steps", "3"], script="two_grpo.py")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in rows(out)] == [0, 1, 2, 3]
-    assert json.load(open(os.path.join(out, "config.json")))["args"]["lr"] == config["lr"]  # not scaled twice
+    # not scaled twice
+    assert json.load(open(os.path.join(out, "config.json")))["args"]["lr"] == config["lr"]
 
 
 def test_two_grpo_resample_trains_mixed_pairs_only(tmp_path):
     out = str(tmp_path / "rs")
-    result = run(SMALL + ["--steps", "2", "--eval_every", "0", "--resample", "--resample_cap", "3", "--out", out],
+    result = run(SMALL + ["--steps", "2", "--eval_every", "0", "--resample", "--resample_cap", "3",
+                          "--out", out],
                  script="two_grpo.py")
     assert result.returncode == 0, result.stderr[-3000:]
     for r in rows(out)[1:]:
@@ -167,19 +186,24 @@ def test_two_grpo_resample_trains_mixed_pairs_only(tmp_path):
         # reward is timed inside the resampling rollout, and counted once
         assert sum(r[p] for p in PHASES) == pytest.approx(r["step_s"], rel=0.05, abs=0.05)
     assert json.load(open(os.path.join(out, "config.json")))["args"]["lr"] == pytest.approx(3e-4)
-    given = run(SMALL + ["--steps", "1", "--eval_every", "0", "--lr", "1e-4", "--out", str(tmp_path / "lr")],
+    given = run(SMALL + ["--steps", "1", "--eval_every", "0", "--lr", "1e-4",
+                         "--out", str(tmp_path / "lr")],
                 script="two_grpo.py")
-    assert given.returncode == 0 and json.load(open(tmp_path / "lr" / "config.json"))["args"]["lr"] == 1e-4
+    assert (given.returncode == 0
+            and json.load(open(tmp_path / "lr" / "config.json"))["args"]["lr"] == 1e-4)
 
 
 def test_two_grpo_resample_with_no_mixed_pair_goes_on(tmp_path):
-    """A dataset whose reference no completion ever matches: every pair is tied, resampling finds none mixed. The
-    step must say so and train on tied pairs (before the fix: IndexError in rows_to_train), and the run resumes."""
+    """A dataset whose reference no completion ever matches: every pair is tied, resampling finds
+    none mixed. The step must say so and train on tied pairs (before the fix: IndexError in
+    rows_to_train), and the run resumes."""
     data = tmp_path / "never.jsonl"
     toy = [json.loads(line) for line in open(os.path.join(REPO, "toy", "data", "train.jsonl"))][:64]
-    data.write_text("".join(json.dumps({"question": r["question"], "answer": "-987654"}) + "\n" for r in toy))
+    data.write_text("".join(json.dumps({"question": r["question"], "answer": "-987654"}) + "\n"
+                            for r in toy))
     out = str(tmp_path / "tied")
-    flags = SMALL + ["--dataset", str(data), "--eval_every", "0", "--resample", "--resample_cap", "2", "--out", out]
+    flags = SMALL + ["--dataset", str(data), "--eval_every", "0", "--resample",
+                     "--resample_cap", "2", "--out", out]
     result = run(flags + ["--steps", "2"], script="two_grpo.py")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no mixed pair among 16 prompts" in result.stdout + result.stderr
@@ -193,9 +217,11 @@ def test_two_grpo_resample_with_no_mixed_pair_goes_on(tmp_path):
 
 
 def test_two_grpo_bad_input_and_help(tmp_path, main_of):
-    result = main_of("two_grpo", ["--resample", "--resample_cap", "0", "--out", str(tmp_path / "x")])
+    result = main_of("two_grpo", ["--resample", "--resample_cap", "0",
+                                  "--out", str(tmp_path / "x")])
     lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and "--resample_cap must be at least 1" in lines[0]
+    assert (result.returncode == 2 and len(lines) == 1
+            and "--resample_cap must be at least 1" in lines[0])
     assert not (tmp_path / "x").exists()
     result = main_of("two_grpo", ["--help"])
     import two_grpo

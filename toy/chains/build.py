@@ -18,7 +18,7 @@ val.jsonl during a run and on test.jsonl once, at the end.
 
     python toy/chains/build.py              # ~45 minutes on 2 CPU cores: data, tokenizer, model
     python toy/chains/build.py --data_only  # the data files only (the tests compare them)
-    python toy/chains/build.py --report     # the committed model's accuracy (test split) and lengths
+    python toy/chains/build.py --report     # the committed model's test accuracy and lengths
 
 The data and the tokenizer are byte-for-byte reproducible; the warm start is seeded, but float
 reductions differ between CPUs, so a rebuilt model can differ from the committed one in its last
@@ -43,7 +43,8 @@ LENGTH_WEIGHTS = [5, 3, 2, 2, 2, 2]  # more two-number sums: the short end of th
 DROP_CARRY = [0.2, 0.6, 0.65, 0.7, 0.75, 0.8]  # P(teacher forgets the carry) at addition 1, 2, ...
 REVERSED = 0.3  # P(the teacher adds from the last number back)
 N_TRAIN = 512
-N_FIRST_HELDOUT = 300  # the first held-out draw: no longer evaluated on, but the warm start excluded it
+# the first held-out draw: no longer evaluated on, but the warm start excluded it
+N_FIRST_HELDOUT = 300
 PER_LENGTH = {"val": 25, "test": 50}  # held-out problems per chain length: 150 and 300
 NAMES = [("Mia", "she", "her"), ("Tom", "he", "his"), ("Ava", "she", "her"), ("Leo", "he", "his"),
          ("Zoe", "she", "her"), ("Sam", "he", "his"), ("Ella", "she", "her"), ("Ben", "he", "his")]
@@ -269,7 +270,8 @@ def sample_answers(model, tokenizer, rows, greedy, seed=0, max_new_tokens=256, b
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=pad,
                              suppress_tokens=list(range(len(tokenizer), model.config.vocab_size)))
         for row in out[:, width:].tolist():
-            cut = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+            cut = (row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row
+                   else len(row))
             lengths.append(cut)
             texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
     model.train()

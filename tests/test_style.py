@@ -1,0 +1,82 @@
+"""The project's size budgets in code tokens (docs/README.md#sizes) and its lint rules:
+`ruff check .` (no line over 100 characters, pyflakes) and, in common.py, one statement per
+line."""
+import ast
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "docs"))
+from code_tokens import sections, size  # noqa: E402
+
+BUDGETS = {  # file -> most code tokens
+    "common.py": 10_500,
+    "grpo.py": 1_300,
+    "two_grpo.py": 2_500,
+    "cppo.py": 2_500,
+    "dppo.py": 2_500,
+    "mmr_grpo.py": 2_500,
+    "bench.py": 7_000,
+}
+
+
+def source(name):
+    with open(os.path.join(REPO, name)) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_each_file_is_within_its_token_budget(name):
+    tokens, _ = size(source(name))
+    assert tokens <= BUDGETS[name], f"{name}: {tokens} code tokens, budget {BUDGETS[name]}"
+
+
+def test_common_part_one_is_within_its_budget_at_ten_tokens_a_line():
+    found = sections(source("common.py"))
+    headings = [heading for heading, _, _ in found]
+    first = next(i for i, h in enumerate(headings) if h.startswith("Part I."))
+    second = next(i for i, h in enumerate(headings) if h.startswith("Part II."))
+    tokens = sum(t for _, t, _ in found[first:second])
+    lines = sum(n for _, _, n in found[first:second])
+    assert second - first >= 8, "Part I's sections (1. rollout .. 4e. update) were not found"
+    assert tokens <= 5_300, f"Part I: {tokens} code tokens, budget 5,300"
+    assert tokens / lines <= 10, f"Part I: {tokens / lines:.1f} code tokens a line, at most 10"
+
+
+def test_code_tokens_ignore_comments_docstrings_and_layout():
+    dense = "x = f(a, b)  # a comment\n"
+    spread = '"""A docstring."""\n# a comment line\nx = f(\n    a,\n    b\n)\n'
+    assert size(dense) == (8, 1)
+    assert size(spread)[0] == 8 + 1  # the docstring is one token
+    assert size("s = 'one' 'two'\n")[0] == 4  # two string literals
+
+
+def test_common_has_one_statement_per_line():
+    """No walrus, no lambda bound to a name, no backslash continuation, no `;`, no body on its
+    header's line (`if x: return`) in common.py."""
+    text = source("common.py")
+    tree = ast.parse(text)
+    walrus = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.NamedExpr)]
+    assert not walrus, f"walrus at lines {walrus}"
+    named_lambdas = [node.lineno for node in ast.walk(tree)
+                     if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda)]
+    assert not named_lambdas, f"a lambda bound to a name at lines {named_lambdas}"
+    lines = text.splitlines()
+    continued = [n for n, line in enumerate(lines, 1) if line.rstrip().endswith("\\")
+                 and not line.lstrip().startswith("#")]
+    assert not continued, f"backslash continuations at lines {continued}"
+    starts = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.stmt)]
+    shared = sorted({n for n in starts if starts.count(n) > 1})
+    assert not shared, f"two statements on lines {shared}"
+
+
+def test_ruff_check_passes():
+    ruff = shutil.which("ruff") or os.path.join(os.path.dirname(sys.executable), "ruff")
+    if not os.path.exists(ruff):
+        pytest.fail("ruff is not installed (it is in requirements.txt): pip install ruff")
+    result = subprocess.run([ruff, "check", "."], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]
