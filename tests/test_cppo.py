@@ -150,7 +150,7 @@ class FakeEngine:
     def encode(self, text):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def generate(self, prompts, n, temperature, max_tokens, seed):
+    def generate(self, prompts, n, temperature, max_tokens, seed, progress=False):
         if n == 1:  # evaluation
             return [[(self.encode("<answer>4</answer>"), None)] for _ in prompts]
         assert len(prompts) == len(REWARDS) and n == 4

@@ -279,7 +279,6 @@ def test_toy_cli_run_logs_mmr(tmp_path):
             and config["args"]["sim_floor"])
     assert config["ideal_trained_fraction"] == 1.0
     assert os.path.exists(os.path.join(out, "checkpoint-2", "model", "model.safetensors"))
-    assert os.path.exists(os.path.join(out, "metrics.png"))
 
 
 @pytest.fixture

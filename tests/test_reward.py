@@ -255,7 +255,7 @@ def test_the_docs_table_of_cases_is_what_math_reward_pays():
 
 def test_gold_answer_conventions():
     assert gold_answer({"answer": "Janet sells 9 eggs.\n#### 1,018"}) == "1018"  # GSM8K
-    assert gold_answer({"answer": 27.0}) == "27"  # AMC stores floats
+    assert gold_answer({"answer": 27.0}) == "27.0"  # AMC stores floats: math-verify reads 27
     assert gold_answer({"answer": 1234567}) == "1234567" and gold_answer({"answer": 0.25}) == "0.25"
     # MATH train
     assert gold_answer({"solution": "so $x = \\boxed{\\frac{1}{2}}$."}) == "\\frac{1}{2}"
@@ -331,7 +331,7 @@ def test_pathological_latex_returns_within_the_time_limit():
 
 def test_timeouts_and_misses_are_counted():
     rewards, counts = score(["nothing here", "\\boxed{1}"], ["1", "1"])
-    assert rewards == [0.0, 1.0] and counts["calls"] == 2 and counts["no_answer"] == 1
+    assert rewards == [0.0, 1.0] and counts["no_answer"] == 1
     counts = collections.Counter()
     t0 = time.time()
     # a slow gold

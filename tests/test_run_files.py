@@ -1,5 +1,5 @@
-"""common.py's run files: the phase timer, the run's plot, flag parsing (recipe defaults, a script's
-recipe, bool spellings, the resume merge) and the per-batch metrics."""
+"""common.py's run files: the phase timer, flag parsing (recipe defaults, a script's recipe, bool
+spellings, the resume merge) and the per-batch metrics."""
 import json
 from dataclasses import dataclass
 
@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import common
-from common import (DATASETS, RECIPE, PhaseTimer, Sample, arg, batch_metrics, parse_args,
-                    plot_metrics)
+from common import DATASETS, RECIPE, PhaseTimer, Sample, arg, batch_metrics, parse_args
 
 
 def test_phase_timer_adds_up_each_phase_and_the_whole_step(monkeypatch):
@@ -31,17 +30,6 @@ def test_phase_timer_adds_up_each_phase_and_the_whole_step(monkeypatch):
     assert seconds == {"rollout_s": 3.0, "reward_s": 1.0, "update_s": 3.0, "step_s": 7.75}
     assert sum(v for k, v in seconds.items() if k != "step_s") <= seconds["step_s"]
     assert PhaseTimer().seconds() == {"step_s": 0.0}  # no phase yet: step_s only
-
-
-def test_plot_metrics_writes_a_png_and_skips_a_cut_line(tmp_path):
-    rows = [{"step": 0, "eval_accuracy": 0.5}] + [{"step": s, "reward_mean": s / 10,
-                                                   "step_s": 1.0 + s}
-                                                  for s in range(1, 5)]
-    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "rew'
-    (tmp_path / "metrics.jsonl").write_text(text)
-    plot_metrics(str(tmp_path))
-    png = (tmp_path / "metrics.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
 @dataclass
@@ -80,6 +68,9 @@ class Flags:  # the shared flags parse_args and check_flags read; the recipe's o
     eval_every: int = arg(None, "eval")
     eval_n: int = arg(None, "eval n")
     save_every: int = arg(50, "save")
+    lora_r: int = arg(0, "LoRA rank")
+    lora_alpha: float = arg(None, "LoRA scale")
+    report_to: str = arg("none", "tracker")
     floor: bool = arg(True, "a default-on switch")
     ckpt: bool = arg(None, "a switch whose default is decided later")
 
@@ -199,11 +190,12 @@ def test_resume_with_an_unreadable_config_is_one_line(tmp_path, capsys, config):
 def test_batch_metrics_by_hand():
     rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])  # [Q, G]: the second group is tied
     samples = [Sample([1, 2], [5, 9]), Sample([1, 2], [5]), Sample([3], [6, 6, 6]), Sample([3], [])]
-    counts = {"timeout": 1, "error": 0, "no_answer": 2}
+    counts = {"timeout": 1, "error": 0, "no_answer": 2, "capped": 3}
     m = batch_metrics(rewards, samples, stop_ids=[9], counts=counts)
     assert m["reward_mean"] == 0.75 and m["zero_std_groups"] == 0.5
     assert m["reward_std"] == pytest.approx(0.1875 ** 0.5)  # population std of 1, 0, 1, 1
     assert m["completion_len"] == 6 / 4 and m["tokens"] == 4 + 3 + 4 + 1
     # [5] and [6, 6, 6] end without a stop token; [] is not truncated
     assert m["truncated"] == 2 / 4
-    assert (m["verify_timeouts"], m["verify_errors"], m["no_answer"]) == (1, 0, 2)
+    outcomes = (m["verify_timeouts"], m["verify_errors"], m["no_answer"], m["reward_capped"])
+    assert outcomes == (1, 0, 2, 3)

@@ -2,10 +2,12 @@
 `ruff check .` (no line over 100 characters, pyflakes) and, in common.py, one statement per
 line."""
 import ast
+import io
 import os
 import shutil
 import subprocess
 import sys
+import tokenize
 
 import pytest
 
@@ -53,6 +55,8 @@ def test_code_tokens_ignore_comments_docstrings_and_layout():
     assert size(dense) == (8, 1)
     assert size(spread)[0] == 8 + 1  # the docstring is one token
     assert size("s = 'one' 'two'\n")[0] == 4  # two string literals
+    # an f-string is one token, whichever Python splits it (3.12 and newer do)
+    assert size('x = f"{a} b {c!r:>{w}} {f\'{d}\'}"\n')[0] == 3
 
 
 def test_common_has_one_statement_per_line():
@@ -63,7 +67,8 @@ def test_common_has_one_statement_per_line():
     walrus = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.NamedExpr)]
     assert not walrus, f"walrus at lines {walrus}"
     named_lambdas = [node.lineno for node in ast.walk(tree)
-                     if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda)]
+                     if isinstance(node, (ast.Assign, ast.AnnAssign))
+                     and isinstance(node.value, ast.Lambda)]
     assert not named_lambdas, f"a lambda bound to a name at lines {named_lambdas}"
     lines = text.splitlines()
     continued = [n for n, line in enumerate(lines, 1) if line.rstrip().endswith("\\")
@@ -72,6 +77,31 @@ def test_common_has_one_statement_per_line():
     starts = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.stmt)]
     shared = sorted({n for n in starts if starts.count(n) > 1})
     assert not shared, f"two statements on lines {shared}"
+    # a clause's body on its header's line (`else: x = 1` is no second statement to the AST)
+    assert not bodies_on_header_lines(text), bodies_on_header_lines(text)
+
+
+HEADERS = {"if", "elif", "else", "for", "while", "try", "except", "finally", "with", "def", "class"}
+
+
+def bodies_on_header_lines(text):
+    """Line numbers of compound-statement headers whose logical line goes on after their colon."""
+    found = []
+    line = []  # the code tokens of the current logical line
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.NEWLINE:
+            if line and line[0].string in HEADERS and line[-1].string != ":":
+                found.append(line[0].start[0])
+            line = []
+        elif token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT):
+            line.append(token)
+    return found
+
+
+def test_the_header_check_can_fail():
+    assert bodies_on_header_lines("if x:\n    y = 1\nelse: y = 2\n") == [3]
+    assert bodies_on_header_lines("try:\n    pass\nfinally:\n    z = {1: 2}\n") == []
+    assert bodies_on_header_lines("for k in d[1:]:\n    pass\n") == []
 
 
 def test_ruff_check_passes():
