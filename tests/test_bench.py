@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from bench import padded_update, synthetic_samples
+from bench import METHODS, padded_update, synthetic_samples
 from common import Passes, policy_update
 from conftest import RecordingOptimizer, assert_grads_close
 
@@ -173,44 +173,71 @@ def test_breakdown_flags_sample_the_same_rollouts():
 
 
 def test_curve_and_first_reaching():
+    """Each evaluation's point: step, accuracy, then training s, rollouts and generated tokens
+    (completion_len x rollouts of each step) summed up to it."""
     from bench import curve, first_reaching
-    rows = [{"step": 0, "eval_accuracy": 0.6}, {"step": 1, "step_s": 2.0, "rollouts": 10},
-            {"step": 2, "step_s": 3.0, "rollouts": 10, "eval_accuracy": 0.9},
-            {"step": 3, "step_s": 1.0, "rollouts": 30, "eval_accuracy": 0.85}]
+    rows = [{"step": 0, "eval_accuracy": 0.6},
+            {"step": 1, "step_s": 2.0, "rollouts": 10, "completion_len": 4.5},
+            {"step": 2, "step_s": 3.0, "rollouts": 10, "completion_len": 2.0, "eval_accuracy": 0.9},
+            {"step": 3, "step_s": 1.0, "rollouts": 30, "completion_len": 1.0,
+             "eval_accuracy": 0.85}]
     points = curve(rows)
-    assert points == [(0, 0.6, 0.0, 0.0), (2, 0.9, 5.0, 20.0), (3, 0.85, 6.0, 50.0)]
-    assert first_reaching(points, 0.9) == (2, 0.9, 5.0, 20.0)
-    assert first_reaching(points, 0.6) == (0, 0.6, 0.0, 0.0)
+    # tokens: 45, then 45 + 20, then 65 + 30
+    assert points == [(0, 0.6, 0.0, 0.0, 0.0), (2, 0.9, 5.0, 20.0, 65.0),
+                      (3, 0.85, 6.0, 50.0, 95.0)]
+    assert first_reaching(points, 0.9) == (2, 0.9, 5.0, 20.0, 65.0)
+    assert first_reaching(points, 0.6) == (0, 0.6, 0.0, 0.0, 0.0)
     assert first_reaching(points, 0.95) is None
 
 
 def test_the_decision_rule_by_hand():
-    """paired(): the mean of the per-seed differences and the 5th-95th percentiles of its bootstrap
-    means; verdict() names a direction only with >= 6 paired seeds and an interval that excludes
-    0."""
-    from bench import MIN_SEEDS, paired, verdict
-    # seed 7 has no partner
-    diff, low, high, n = paired({0: 0.9, 1: 0.8, 7: 0.5}, {0: 0.85, 1: 0.9})
-    # two differences, +0.05 and -0.10: a resample's mean is +0.05, -0.025 or -0.10 with chance
-    # 1/4, 1/2, 1/4
-    assert n == 2 and diff == pytest.approx(-0.025)
-    assert (low, high) == (pytest.approx(-0.1), pytest.approx(0.05))
-    assert verdict((diff, low, high, n), "more accurate", "less accurate", ".3f") == \
-        "-0.025 [-0.100, +0.050]: not distinguishable at 2 seeds"
-    up = {s: 0.01 * (s + 1) for s in range(MIN_SEEDS)}  # every seed's difference > 0
-    stat = paired(up, {s: 0.0 for s in range(MIN_SEEDS)})
-    assert stat[0] == pytest.approx(0.035) and stat[1] > 0
-    assert verdict(stat, "faster", "slower", ".2f").endswith(": faster")
-    down = paired({s: -v for s, v in up.items()}, {s: 0.0 for s in up})
-    assert verdict(down, "up", "down", ".2f").endswith(": down")
-    five = paired({s: up[s] for s in range(5)}, {s: 0.0 for s in range(5)})
-    assert five[1] > 0
-    assert verdict(five, "up", "down", ".2f").endswith("not distinguishable at 5 seeds")
-    zero = {s: 0.0 for s in range(MIN_SEEDS)}
-    mixed = paired({s: (-1) ** s * 0.1 for s in range(MIN_SEEDS)}, zero)
-    assert mixed[1] < 0 < mixed[2]
-    assert "not distinguishable at 6 seeds" in verdict(mixed, "up", "down", ".2f")
-    assert verdict(paired({0: 1.0}, {1: 1.0}), "up", "down", ".2f") == "-"  # no seed in common
+    """verdict(): the mean of the per-seed differences, the 5th-95th percentiles of its bootstrap
+    means and the t-interval; a direction only with >= 6 paired seeds and both intervals on that
+    side of 0."""
+    from bench import MIN_SEEDS, verdict
+    nan = float("nan")
+    # values seed by seed; the third seed has no partner (NaN: not reached, or not known). Two
+    # differences, +0.05 and -0.10: a resample's mean is +0.05, -0.025 or -0.10 with chance 1/4,
+    # 1/2, 1/4; t: -0.025 +- t(0.95, 1) sd / sqrt(2) = -0.025 +- 6.3138 x 0.075
+    assert verdict([0.9, 0.8, 0.5], [0.85, 0.9, nan], "more accurate", "less accurate",
+                   ".4f") == ("-0.0250 [-0.1000, +0.0500], t [-0.4985, +0.4485]: not "
+                              "distinguishable at 2 seeds")
+    up = [0.01 * (s + 1) for s in range(MIN_SEEDS)]  # every seed's difference > 0
+    zero = [0.0] * MIN_SEEDS
+    # the mean 0.035; the bootstrap's and the t-interval's lows both > 0
+    assert verdict(up, zero, "faster", "slower", ".3f").startswith("+0.035 [+0.0")
+    assert verdict(up, zero, "faster", "slower", ".2f").endswith(": faster")
+    assert verdict([-v for v in up], zero, "up", "down", ".2f").endswith(": down")
+    assert verdict(up[:5], zero[:5], "up", "down", ".2f").endswith("not distinguishable at 5 seeds")
+    mixed = verdict([(-1) ** s * 0.1 for s in range(MIN_SEEDS)], zero, "up", "down", ".2f")
+    assert mixed.startswith("+0.00 [-0.") and mixed.endswith("not distinguishable at 6 seeds")
+    assert verdict([1.0, nan], [nan, 1.0], "up", "down", ".2f") == "-"  # no pair
+    # one pair: no spread, no t-interval, nothing called
+    assert verdict([1.0], [0.5], "up", "down", ".1f") == \
+        "+0.5 [+0.5, +0.5], t [+nan, +nan]: not distinguishable at 1 seeds"
+
+
+def test_the_t_interval_by_hand_and_its_veto():
+    """The second check: mean +- t(0.95, n - 1) sd / sqrt(n). Differences 1, 2, 6: mean 3, sd
+    sqrt(7), t(0.95, 2) = 2.919986 (a t table), so 3 +- 4.4593. A difference the bootstrap calls but
+    the t-interval does not is not distinguishable."""
+    from bench import verdict
+    half = 2.919986 * 7 ** 0.5 / 3 ** 0.5
+    assert verdict([1.0, 2.0, 6.0], [0.0] * 3, "up", "down", ".4f").endswith(
+        f", t [{3 - half:+.4f}, {3 + half:+.4f}]: not distinguishable at 3 seeds")
+    # 6 seeds, t(0.95, 5) = 2.015048: 2 - 2.015048 x 3.4641 / sqrt(6) = -0.8497 < 0, while the
+    # bootstrap's interval (the plug-in spread, percentiles) already excludes 0: low +0.1667
+    d = [1.0, 2.0, 3.0, 4.0, 5.0, -3.0]
+    zero = [0.0] * 6
+    sd = (sum((v - 2) ** 2 for v in d) / 5) ** 0.5
+    t_low = 2 - 2.015048 * sd / 6 ** 0.5
+    assert verdict(d, zero, "up", "down", ".2f") == (
+        f"+2.00 [+0.17, +3.67], t [{t_low:+.2f}, {4 - t_low:+.2f}]: not distinguishable at 6 seeds")
+    assert verdict([v + 2.0 for v in d], zero, "up", "down", ".2f").endswith(": up")  # both > 0
+    assert verdict([-v - 2.0 for v in d], zero, "up", "down", ".2f").endswith(": down")
+    assert verdict([-v for v in d], zero, "up", "down", ".2f").endswith("at 6 seeds")
+    # the same difference at every seed: no spread, both intervals the difference itself
+    assert verdict([3.0] * 6, zero, "up", "down", ".1f") == "+3.0 [+3.0, +3.0], t [+3.0, +3.0]: up"
 
 
 def test_a_kept_summary_with_the_same_flags_is_not_run_again(tmp_path):
@@ -220,13 +247,217 @@ def test_a_kept_summary_with_the_same_flags_is_not_run_again(tmp_path):
     flags = script_flags(args, "budget", "chains", "dppo", 1, 201, True)
     learning = ["--dataset", "chains", "--rollout", "auto", "--seed", "1"]
     assert flags == learning + ["--time_budget", "201", "--steps", "1000"]
-    cppo = script_flags(args, "budget", "chains", "cppo", 1, 201, False)
-    assert cppo[-2:] == ["--time_budget", "201"]
-    assert script_flags(args, "learning", "chains", "cppo", 1) == learning
+    # CPPO's budget runs keep the task's --eval_every: their kept summaries stay valid
+    assert script_flags(args, "budget", "chains", "cppo", 1, 201, False) == learning + [
+        "--time_budget", "201"]
+    assert script_flags(args, "learning", "chains", "dppo", 1) == learning
     kept = {"budget dppo 1": {"flags": flags, "test": 0.5}}
     got = run_script(args, str(tmp_path), ("budget", "chains", "dppo", 1), flags, kept)
     assert got == {**kept["budget dppo 1"], "kept": True}
     assert not os.listdir(tmp_path)  # nothing ran
+
+
+def learning_args(**given):
+    """bench's flags as parse() leaves them for `--parts learning --datasets chains`."""
+    flags = dict(parts=["learning"], datasets=["chains"], methods=list(METHODS), seeds=[0, 1],
+                 quick=False, budget_s=None, rollout="auto", model=None, eval_every=None,
+                 learn_steps=None, eval_n=None, target=None)
+    return argparse.Namespace(**{**flags, **given})
+
+
+def test_cppo_learns_with_validation_every_3_steps_unless_eval_every_is_given():
+    from bench import script_flags
+    learning = ["--dataset", "chains", "--rollout", "auto", "--seed", "0"]
+    assert script_flags(learning_args(), "learning", "chains", "cppo", 0) == learning + [
+        "--eval_every", "3"]
+    for method in ["grpo", "two_grpo", "dppo", "mmr_grpo"]:  # theirs as it was
+        assert script_flags(learning_args(), "learning", "chains", method, 0) == learning
+    assert script_flags(learning_args(), "learning", "toy", "cppo", 0)[-2:] == ["--seed", "0"]
+    given = script_flags(learning_args(eval_every=7), "learning", "chains", "cppo", 0)
+    assert given == learning + ["--eval_every", "7"]
+
+
+def test_the_ablation_runs_flags_and_folders(tmp_path, monkeypatch):
+    """Each ablation: the learning flags, then its table's; grpo.py runs 2-GRPO's; the folder
+    <task>-ablation-<method>-<seed>, the kept key `ablation <method> <seed>`. The tokens to the
+    target come from the run's metrics.jsonl."""
+    import bench
+    want = {"cppo": ("cppo", ["--pruning", "0", "--steps", "1000", "--time_budget", "946",
+                              "--eval_every", "10"]),
+            "dppo": ("dppo", ["--prune_prompts", "0", "--prune_completions", "0"]),
+            "two_grpo": ("grpo", ["--group_size", "16", "--prompts_per_step", "8", "--steps",
+                                  "640", "--eval_every", "15"])}
+    assert set(bench.ABLATIONS) == set(want)  # MMR-GRPO's is GRPO's default run
+    rows = [{"step": 0, "eval_accuracy": 0.5},
+            {"step": 1, "step_s": 2.0, "rollouts": 128, "completion_len": 10.0,
+             "eval_accuracy": 0.8},
+            {"step": 2, "step_s": 2.0, "rollouts": 128, "completion_len": 20.0,
+             "eval_accuracy": 0.9, "test_accuracy": 0.88, "trained_rollouts": 128}]
+    rows[1]["trained_rollouts"] = 128
+    ran = []
+
+    def fake_run(command, **kw):  # a finished run: its metrics and config
+        out = command[command.index("--out") + 1]
+        os.makedirs(out)
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+        config = {"engine": "HFEngine", "args": {"lr_schedule": "constant"},
+                  "ideal_trained_fraction": 1.0}
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config, f)
+        ran.append(command)
+        return subprocess.CompletedProcess(command, 0)
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    kept = {}
+    for method, (script, overrides) in want.items():
+        for seed in [0, 3]:
+            learning = ["--dataset", "chains", "--rollout", "auto", "--seed", str(seed)]
+            flags = bench.script_flags(learning_args(), "ablation", "chains", method, seed)
+            assert flags == learning + overrides, (method, seed)
+            got = bench.run_script(learning_args(), str(tmp_path), ("ablation", "chains", method,
+                                                                    seed), flags, kept)
+            command = ran[-1]
+            assert command[1] == os.path.join(bench.REPO, f"{script}.py")
+            assert command[2:-2] == flags
+            assert command[-1] == str(tmp_path / f"chains-ablation-{method}-{seed}")
+            assert kept[f"ablation {method} {seed}"] is got and got["flags"] == flags
+    # 10 x 128 + 20 x 128 generated tokens by step 2, where 0.85 is first reached
+    assert got["curve"][-1] == (2, 0.9, 4.0, 256.0, 3840.0)
+    metrics = bench.run_metrics([got], 0.85)
+    assert metrics["generated tokens to 0.85"] == [3840.0]
+    assert metrics["rollouts to 0.85"] == [256.0] and metrics["steps to 0.85"] == [2]
+    assert json.loads((tmp_path / "chains-ablation-two_grpo-3" / "bench_flags.json")
+                      .read_text()) == bench.script_flags(learning_args(), "ablation", "chains",
+                                                          "two_grpo", 3)
+
+
+def test_ablations_run_after_the_learning_runs_on_chains_only(monkeypatch):
+    """The jobs bench runs: learning, then the equal-budget runs, then the ablations of the methods
+    given that have one, for every seed; none on the toy, none with --quick."""
+    import bench
+    jobs = []
+
+    def fake(args, runs, job, flags, kept):
+        jobs.append((job[0], job[2], job[3], flags))
+        return {"curve": [(0, 0.5, 100.0, 0.0)], "schedule": "constant"}
+    monkeypatch.setattr(bench, "run_script", fake)
+    bench.run_scripts(learning_args(), "unused")
+    parts = [part for part, _, _, _ in jobs]
+    assert parts == ["learning"] * 10 + ["budget"] * 8 + ["ablation"] * 6
+    assert [(m, s) for part, m, s, _ in jobs if part == "ablation"] == [
+        ("two_grpo", 0), ("cppo", 0), ("dppo", 0), ("two_grpo", 1), ("cppo", 1), ("dppo", 1)]
+    budget = [flags for part, m, s, flags in jobs if (part, m, s) == ("budget", "cppo", 1)]
+    assert budget == [["--dataset", "chains", "--rollout", "auto", "--seed", "1",
+                       "--time_budget", "201", "--steps", "1000"]]
+    for given, ablations in [({"methods": ["grpo", "dppo"]}, [("dppo", 0), ("dppo", 1)]),
+                             ({"quick": True}, []), ({"datasets": ["toy"]}, []),
+                             ({"methods": ["mmr_grpo"], "seeds": [4]}, [])]:
+        jobs.clear()
+        bench.run_scripts(learning_args(**given), "unused")
+        assert [(m, s) for part, m, s, _ in jobs if part == "ablation"] == ablations, given
+
+
+def ablation_results(old_curves=False):
+    """Made-up chains summaries of GRPO, 2-GRPO and CPPO at 6 seeds, with 16-GRPO's and CPPO's
+    ablations (a run kept before tokens were counted has 4-number points)."""
+    results = {}
+    for s in range(6):
+        grpo = [(0, 0.5, 0.0, 0.0, 0.0), (10, 0.86, 20.0 + s, 1280.0, 60000.0),
+                (80, 0.9, 200.0, 10240.0, 500000.0)]
+        two = [(0, 0.5, 0.0, 0.0, 0.0), (10, 0.8, 10.0, 1280.0, 50000.0),
+               (20, 0.87, 20.0, 2560.0, 100000.0 + 1000 * s), (80, 0.9, 40.0, 10240.0, 4e5)]
+        sixteen = [(0, 0.5, 0.0, 0.0, 0.0), (15, 0.85, 30.0, 1920.0, 80000.0),
+                   (30, 0.88, 60.0, 3840.0, 160000.0), (640, 0.92, 200.0, 81920.0, 3e6)]
+        cppo = [(0, 0.5, 0.0, 0.0, 0.0), (3, 0.9, 36.0, 768.0, 30000.0),
+                (6, 0.95, 72.0 + s, 1536.0, 60000.0)]
+        cppo_off = [(0, 0.5, 0.0, 0.0, 0.0), (10, 0.8, 50.0, 2560.0, 9e4),
+                    (20, 0.9, 100.0, 5120.0, 18e4)]
+        if old_curves:
+            two = [p[:4] for p in two]
+        for part, m, points, test in [("learning", "grpo", grpo, 0.88),
+                                      ("learning", "two_grpo", two, 0.9 - 0.01 * (s % 2)),
+                                      ("ablation", "two_grpo", sixteen, 0.92),
+                                      ("learning", "cppo", cppo, 0.97),
+                                      ("ablation", "cppo", cppo_off, 0.93)]:
+            flags = ["--dataset", "chains", "--seed", str(s)]
+            results[part, "chains", m, s] = {"curve": points, "test": test, "flags": flags}
+    return results
+
+
+def test_the_ablation_table_from_made_up_runs():
+    """Each method against its ablation: method - ablation, paired by seed, at the target, at equal
+    time (each run's last evaluation by the sooner end of the two) and at the end; 2-GRPO's shares
+    of 16-GRPO's; the rule counts every comparison the section makes."""
+    import bench
+    args = learning_args(methods=["grpo", "two_grpo", "cppo"], seeds=list(range(6)), budget_s=0)
+    text = "\n".join(bench.learning_section(args, "chains", 5, ablation_results(), {}))
+    lines = text.splitlines()
+    ablation = lines.index(next(line for line in lines if "against its ablation" in line))
+    header = lines[ablation + 2]
+    assert header == ("| method | steps to 0.85 | training s to 0.85 | rollouts to 0.85 | "
+                      "generated tokens to 0.85 | validation accuracy at equal time | final test "
+                      "accuracy |")
+    cppo = lines[ablation + 5].split(" | ")
+    assert cppo[0] == "| cppo"
+    # CPPO 0.85 at step 3, 36 s, 768 rollouts, 30,000 tokens; its ablation at step 20, 100 s,
+    # 5,120, 180,000: every seed the same, so both intervals are the difference itself
+    assert cppo[1] == "-17 [-17, -17], t [-17, -17]: fewer steps"
+    assert cppo[2] == "-64 [-64, -64], t [-64, -64]: faster"
+    assert cppo[3].endswith(": fewer rollouts") and cppo[4].startswith("-150,000 [")
+    # CPPO ends at 72 + s s, before its ablation (100 s): 0.95 against 0.8 (the ablation at 50 s)
+    assert cppo[5] == "+0.150 [+0.150, +0.150], t [+0.150, +0.150]: more accurate"
+    assert cppo[6].startswith("+0.040 [+0.040, +0.040]") and cppo[6].endswith("more accurate |")
+    two = lines[ablation + 4].split(" | ")
+    assert two[0] == "| two_grpo"
+    # 2-GRPO ends at 40 s: its 0.9 against 16-GRPO's 0.85 (its evaluation at 30 s)
+    assert two[5].startswith("+0.050 [")
+    assert "| two_grpo ablation | validation accuracy at equal time | 0.850 | 0.850 |" in text
+    assert "| cppo | validation accuracy at equal time | 0.950 | 0.950 |" in text
+    shares = lines.index("| 2-GRPO / 16-GRPO | seed 0 | seed 1 | seed 2 | seed 3 | seed 4 | seed 5 "
+                         "| mean |")
+    assert lines[shares + 2] == ("| final test accuracy | 97.8% | 96.7% | 97.8% | 96.7% | 97.8% | "
+                                 "96.7% | 97.3% (6 seeds) |")
+    assert lines[shares + 3].startswith("| rollouts, whole run | 12.5% | 12.5% |")
+    assert lines[shares + 4].startswith("| training s, whole run | 20.0% |")
+    # 2 methods against GRPO x 3 metrics, 2 against their ablations x 6
+    assert "This section makes 18 comparisons" in text and "= 1.8 differences" in text
+    assert "| mmr_grpo" not in text and "**Recipes against GRPO's.**" in text
+    bench.plt.close("all")
+
+
+def test_the_recipes_table_keeps_its_equal_budget_column():
+    """Against GRPO: the equal-budget runs' test accuracy (GRPO's: its default runs') is the
+    recipes table's fourth column, and the rule counts it."""
+    import bench
+    results = ablation_results()
+    for s in range(6):
+        for m, test in [("two_grpo", 0.86), ("cppo", 0.9 + 0.01 * s)]:
+            results["budget", "chains", m, s] = {"curve": [(0, 0.5, 0.0, 0.0, 0.0)], "test": test}
+    args = learning_args(methods=["grpo", "two_grpo", "cppo"], seeds=list(range(6)))
+    text = "\n".join(bench.learning_section(args, "chains", 5, results, {}))
+    assert "| grpo | test accuracy at 201 s | 0.880 | 0.880 |" in text
+    assert "| cppo | test accuracy at 201 s | 0.900 | 0.910 |" in text
+    assert ("| method | final test accuracy | steps to 0.85 | training s to 0.85 | test accuracy "
+            "at 201 s |") in text
+    row = next(line for line in text.splitlines() if line.startswith("| two_grpo | +0.0"))
+    assert row.endswith("| -0.020 [-0.020, -0.020], t [-0.020, -0.020]: less accurate |")
+    assert "This section makes 20 comparisons" in text  # 2 x 4 + 2 x 6
+    bench.plt.close("all")
+
+
+def test_runs_kept_before_tokens_were_counted_still_report():
+    """Summaries kept before this change have 4-number points: their generated tokens are unknown,
+    shown as –, and pair with nothing; the rest of the section is as before."""
+    import bench
+    args = learning_args(methods=["grpo", "two_grpo"], seeds=list(range(6)), budget_s=0)
+    figures = {}
+    text = "\n".join(bench.learning_section(args, "chains", 5, ablation_results(True), figures))
+    assert "| two_grpo | generated tokens to 0.85 | – | – | – | – | – | – | - |" in text
+    assert "| two_grpo | steps to 0.85 | 20 | 20 | 20 | 20 | 20 | 20 | 20 (6 seeds) |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| two_grpo | +5 ["))
+    assert row.split(" | ")[4] == "-"  # generated tokens: no pair
+    assert list(figures) == ["learning-chains.png"]
+    bench.plt.close("all")
 
 
 # ------------------------------------------------------ the report: bench_report.md filled in
@@ -236,7 +467,9 @@ def test_every_block_of_the_report_template_is_used_and_filled():
     placeholders, and without any one of them fails rather than leaving '{name}' in the report."""
     import bench
     source = open(os.path.join(REPO, "bench.py")).read()
-    assert set(bench.REPORT) == set(re.findall(r'fill\("(\w+)"', source))
+    assert set(re.findall(r'fill\("(\w+)"', source)) <= set(bench.REPORT)
+    # the rest are named where bench.py picks among blocks
+    assert [name for name in bench.REPORT if f'"{name}"' not in source] == []
     for name, text in bench.REPORT.items():
         assert text and "<!--" not in text and not text.endswith("\n"), name
         fields = {field for _, field, _, _ in string.Formatter().parse(text) if field}
@@ -297,7 +530,8 @@ def test_bench_refuses_impossible_flags_before_any_work(tmp_path, main_of):
                         (["--target", "1.5"], "--target"),
                         (["--model", str(tmp_path / "nope")], "--model"),
                         (["--datasets", str(tmp_path / "nope.jsonl")], "--dataset"),
-                        (["--step_group", "0"], "--step_group must be at least 1")]:
+                        (["--step_group", "0"], "--step_group: must be at least 1"),
+                        (["--eval_n", "0"], "--eval_n: must be at least 1")]:
         result = main_of("bench", [*flags, "--out", str(out)])
         assert result.returncode == 2, (flags, result.stderr[-500:])
         assert len(result.stderr.strip().splitlines()) == 1, (flags, result.stderr)
@@ -329,8 +563,9 @@ def test_bench_quick_writes_the_report(tiny_dir, tmp_path):
     assert cppo.startswith("| cppo | 256 → 32 |")  # 16 questions x 16 sampled, 1 - P = 1/8 trained
     verdicts = [line for line in tables
                 if line.startswith("| dppo | ") and "not distinguishable at 1 seeds" in line]
-    assert len(verdicts) == 1 and "equal-budget" not in result.stderr  # --quick: no budget runs
+    assert len(verdicts) == 1
     kept = json.loads((out / "results" / "runs-toy.json").read_text())
+    assert [k for k in kept if k.startswith(("budget", "ablation"))] == []  # --quick: none
     assert {"breakdown grpo 0", "learning grpo 0", "learning mmr_grpo 0"} <= set(kept)
     assert kept["learning grpo 0"]["flags"][-2:] == ["--eval_n", "8"]
     assert not [p for p in os.listdir(out) if p.startswith(".bench-")]  # no staging left behind
@@ -360,6 +595,11 @@ def test_bench_learning_on_chains_runs_the_budget_runs_and_reuses_finished_ones(
     kept = json.loads((out / "results" / "runs-chains.json").read_text())
     assert kept["budget dppo 0"]["test"] == logged[-1]["test_accuracy"]
     assert not (runs / "chains-budget-grpo-0").exists()
+    # DPPO's ablation, after the learning flags: nothing pruned
+    assert json.loads((runs / "chains-ablation-dppo-0" / "bench_flags.json").read_text()) == [
+        "--dataset", "chains", "--rollout", "hf", "--seed", "0", "--steps", "1", "--eval_n", "6",
+        "--prune_prompts", "0", "--prune_completions", "0"]
+    assert "ablation dppo 0" in kept and not (runs / "chains-ablation-grpo-0").exists()
     lines = (runs / "chains-learning-grpo-0" / "metrics.jsonl").read_text().splitlines()
     grpo = [json.loads(line) for line in lines]
     assert f"| grpo | final test accuracy | {grpo[-1]['test_accuracy']:.3f} | " in text
