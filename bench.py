@@ -66,16 +66,19 @@ BUDGET_S = {"chains": 201}
 MIN_SEEDS = 6  # the decision rule's least number of paired seeds (docs/results.md#rule)
 EQUAL_TIME = "validation accuracy at equal time"  # against the ablation: run_metrics' `other`
 # each paper's comparator, the method's own recipe with the method off: {method: (script, flags
-# after the learning ones)}, run on chains. CPPO (docs/cppo.md): nothing pruned, ended at 946
-# training s, CPPO's median over its six kept default runs (both then train as long); DPPO
-# (docs/dppo.md): nothing pruned; 2-GRPO (docs/two_grpo.md): 16-GRPO at 2-GRPO's 128 rollouts a
-# step over the same 5,120 prompts (64 x 80 steps), the paper's comparator, with 8x the rollouts.
+# after the learning ones)}, run on chains. CPPO (docs/cppo.md): nothing pruned, so no allocation
+# either: the paper's GRPO row (P 0, G 16, its B questions a step), with CPPO's warm-up (16
+# optimiser steps) and a cosine over the 640 steps that would see CPPO's 10 passes, ended at 946
+# training s, CPPO's median over its six default runs of 2026-11-26; DPPO (docs/dppo.md): nothing
+# pruned; 2-GRPO (docs/two_grpo.md): 16-GRPO at 2-GRPO's 128 rollouts a step over the same 5,120
+# prompts (64 x 80 steps) with 2-GRPO's beta 0, clip-higher and warm-up: the paper's comparator.
 # MMR-GRPO has none: grpo.py's defaults are its own without the MMR step (docs/mmr_grpo.md), so
 # GRPO's default runs are its comparator
 ABLATIONS = {
-    "cppo": ("cppo", "--pruning 0 --steps 1000 --time_budget 946 --eval_every 10"),
+    "cppo": ("cppo", "--pruning 0 --steps 640 --warmup_steps 16 --time_budget 946 --eval_every 10"),
     "dppo": ("dppo", "--prune_prompts 0 --prune_completions 0"),
-    "two_grpo": ("grpo", "--group_size 16 --prompts_per_step 8 --steps 640 --eval_every 15")}
+    "two_grpo": ("grpo", "--group_size 16 --prompts_per_step 8 --steps 640 --beta 0 "
+                         "--eps_high 0.28 --warmup_steps 10 --eval_every 15")}
 # a learning run's --eval_every where the task's own would leave its curve too coarse: CPPO's chains
 # steps take ~12 training s, so every 10 steps left 118 s between evaluations and its time to 0.85
 # unresolved (the others' 10 steps take <= 40 s)
@@ -819,7 +822,7 @@ def main():
         if "learning" in args.parts:
             sections += 1
             report += learning_section(args, dataset, sections, results, figures)
-    report = report_header(started, results, args.rollout) + report
+    report = report_header(started, results, args.rollout) + report + [fill("history")]
     write_results(args.out, report, figures, summaries)
     print(f"wrote {os.path.join(args.out, 'results.md')}; plots and run summaries in "
           f"{args.out}/results")

@@ -920,8 +920,8 @@ def check_memory(n_params, lora_r, beta, vllm_fraction):
     if trainer + vllm > free / 2**30:
         die(f"the run needs about {trainer + vllm:.1f} GiB before activations (trainer "
             f"{trainer:.1f}, vLLM {vllm:.1f}) and the GPU has {free / 2**30:.1f} free: --lora_r "
-            "16 trains an adapter instead of every weight, --beta 0 drops the reference, a "
-            "smaller --vllm_gpu_memory or --token_budget leaves more room")
+            "16 trains an adapter instead of every weight, --beta 0 drops the reference, a smaller "
+            "--vllm_gpu_memory leaves more room (a smaller --token_budget, for the activations)")
 
 
 def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule):
@@ -1219,7 +1219,8 @@ def evaluate(engine, tokenizer, rows, max_tokens, seed, progress=False):
     """Greedy accuracy (n = 1, temperature 0) on held-out rows, scored by math_reward."""
     outputs = engine.generate([r["prompt_ids"] for r in rows], 1, 0.0, max_tokens, seed, progress)
     texts = tokenizer.batch_decode([o[0][0] for o in outputs], skip_special_tokens=True)
-    rewards, _ = score(texts, [r["gold"] for r in rows])
+    # no time budget: every held-out answer is read, however long math-verify takes on it
+    rewards, _ = score(texts, [r["gold"] for r in rows], budget=math.inf)
     return sum(rewards) / max(1, len(rows))
 
 
@@ -1257,8 +1258,9 @@ def setup(args, method, questions=None, config=None, about=""):
     folder = checkpoints(args.out)[-1] if args.resume else None
     state = read_checkpoint(folder) if folder else {"step": 0, "cursor": 0}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and has_vllm)
+    # --rollout auto: vLLM if it is installed
+    use_vllm = args.rollout == "vllm" or (args.rollout == "auto"
+                                          and importlib.util.find_spec("vllm") is not None)
     transformers.set_seed(args.seed)
     huggingface_hub.utils.enable_progress_bars()  # a download shows its bar (until the first step)
     try:  # a ValueError of ours names the file or flag; anything else is what a library said
@@ -1509,9 +1511,8 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     args = run.args
     done = row["step"]
     row["tokens_per_s"] = row["tokens"] / row["step_s"]
-    if torch.cuda.is_available():  # torch's peak this step (vLLM's share too: same process)
+    if torch.cuda.is_available():  # torch's peak since the last step (vLLM's share too)
         row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        torch.cuda.reset_peak_memory_stats()
     run.train_s += row["step_s"]
     if args.time_budget and run.train_s >= args.time_budget:
         run.steps = done  # this step is the last
@@ -1540,6 +1541,8 @@ def finish_step(run, bar, row, cursor, extra_state=None):
             size = sum(os.path.getsize(f"{top}/{f}") for top, _, names in os.walk(folder)
                        for f in names)
             bar.write(f"{folder}: {size / 2**30:.2f} GiB; two are kept (three while one is saved)")
+    if torch.cuda.is_available():  # the next step's peak, the evaluation and saving not in it
+        torch.cuda.reset_peak_memory_stats()
     return done == run.steps  # (wandb and trackio finish their run at exit)
 
 

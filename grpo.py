@@ -35,7 +35,7 @@ class Args:
     # what to train, where to write
     model: str = recipe_arg("model", "policy: a Hugging Face model folder or hub id")
     dataset: str = arg("toy", f"{' | '.join(DATASETS)} | a .jsonl file | a folder with train.jsonl "
-                              "[+ test.jsonl]")
+                              "[+ val.jsonl] [+ test.jsonl]")
     out: str = arg("", "output folder", shown=f"runs/{METHOD}-<dataset>-<time>")
     resume: str = arg("", "continue the run in this output folder from its last checkpoint")
     seed: int = arg(0, "seed for data order, sampling and initialisation")
@@ -88,8 +88,9 @@ class Args:
     # evaluation, checkpoints, logging
     eval_every: int = recipe_arg("eval_every", "greedy validation accuracy every N steps (0: start "
                                                "and end only); test accuracy once, at the end")
-    eval_n: int = recipe_arg("eval_n", "validation and test problems per evaluation (the dataset's "
-                                       "val.jsonl; without one, test.jsonl serves both)")
+    eval_n: int = recipe_arg("eval_n", "validation problems per evaluation, test problems at "
+                                       "the end (a folder's val.jsonl, else test.jsonl serves both;"
+                                       " gsm8k, math: 500 from train, the whole test split)")
     save_every: int = arg(50, "checkpoint every N steps (and at the end); one holds the weights "
                               "and AdamW's state, 3x the fp32 model (LoRA: the adapter's)")
     report_to: str = arg("none", "also log each metrics.jsonl row to wandb or trackio",
