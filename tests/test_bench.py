@@ -282,11 +282,12 @@ def test_the_ablation_runs_flags_and_folders(tmp_path, monkeypatch):
     <task>-ablation-<method>-<seed>, the kept key `ablation <method> <seed>`. The tokens to the
     target come from the run's metrics.jsonl."""
     import bench
-    want = {"cppo": ("cppo", ["--pruning", "0", "--steps", "1000", "--time_budget", "946",
-                              "--eval_every", "10"]),
+    want = {"cppo": ("cppo", ["--pruning", "0", "--steps", "640", "--warmup_steps", "16",
+                              "--time_budget", "946", "--eval_every", "10"]),
             "dppo": ("dppo", ["--prune_prompts", "0", "--prune_completions", "0"]),
             "two_grpo": ("grpo", ["--group_size", "16", "--prompts_per_step", "8", "--steps",
-                                  "640", "--eval_every", "15"])}
+                                  "640", "--beta", "0", "--eps_high", "0.28", "--warmup_steps",
+                                  "10", "--eval_every", "15"])}
     assert set(bench.ABLATIONS) == set(want)  # MMR-GRPO's is GRPO's default run
     rows = [{"step": 0, "eval_accuracy": 0.5},
             {"step": 1, "step_s": 2.0, "rollouts": 128, "completion_len": 10.0,
@@ -553,7 +554,9 @@ def test_bench_quick_writes_the_report(tiny_dir, tmp_path):
     assert (out / "results" / "learning-toy.png").read_bytes()[:4] == b"\x89PNG"
     assert "(results/learning-toy.png)" in text
     assert "HFEngine" in text and "python bench.py --quick" in text
-    assert "chains" not in text  # --quick: the toy only
+    # --quick: the toy only (the report's prose may still name chains' settings)
+    assert "`chains`: learning" not in text and "learning-chains.png" not in text
+    assert "`toy`: learning, side by side" in text
     tables = [line for line in text.splitlines() if line.startswith("| ")]
     for method in ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]:
         rows = [line for line in tables if line.startswith(f"| {method} | final test accuracy | ")]

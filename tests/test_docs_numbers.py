@@ -522,16 +522,41 @@ def chains_metrics(method):
             f"test accuracy at {BUDGET} s": budget}
 
 
+T_95 = {5: 2.015048}  # the t distribution's 95th percentile at 5 degrees of freedom (tables)
+
+
 def against_grpo(values, base):
     """The decision rule: mean difference over the paired seeds, 5th and 95th percentiles of 10,000
-    bootstrap means (numpy seed 0), the number of pairs, and the word: a direction only at >= 6
-    pairs with 0 outside the interval."""
+    bootstrap means (numpy seed 0), the number of pairs, whether it calls a direction (>= 6 pairs,
+    the bootstrap interval and the 90 % t-interval both on one side of 0) and the t-interval."""
     pairs = sorted(set(values) & set(base))
     d = np.array([values[s] - base[s] for s in pairs])
     boot = np.random.default_rng(0).choice(d, (10000, len(d))).mean(axis=1)
     low, high = np.percentile(boot, 5), np.percentile(boot, 95)
-    sure = len(d) >= LEAST_SEEDS and (low > 0 or high < 0)
-    return d.mean(), low, high, len(d), sure
+    half = T_95.get(len(d) - 1, np.nan) * d.std(ddof=1) / np.sqrt(len(d))
+    t_low, t_high = d.mean() - half, d.mean() + half
+    up = low > 0 and t_low > 0
+    down = high < 0 and t_high < 0
+    sure = len(d) >= LEAST_SEEDS and (up or down)
+    return d.mean(), low, high, len(d), sure, t_low, t_high
+
+
+def test_the_rule_by_hand():
+    """The second check decides: both intervals are worked out by hand for six paired seeds."""
+    base = {s: 0.0 for s in range(6)}
+    # d = 0.1, 0, 0.1, 0, 0.1, 0: mean 0.05; sd = sqrt(6 x 0.05^2 / 5) = 0.054772; half-width
+    # 2.015048 x 0.054772 / sqrt(6) = 0.045058; a bootstrap mean is 0 only when all six draws
+    # are 0 (1/64 < 5 %), so both intervals exclude 0: called
+    diff, low, high, n, sure, t_low, t_high = against_grpo(
+        dict(enumerate([0.1, 0.0, 0.1, 0.0, 0.1, 0.0])), base)
+    assert (round(diff, 12), n) == (0.05, 6) and low > 0
+    assert abs(t_low - 0.004942) < 1e-6 and abs(t_high - 0.095058) < 1e-6 and sure
+    # d = 0.3, 0, 0, 0.05, 0.05, 0.05: mean 0.075; squared deviations sum to 0.06375, sd =
+    # sqrt(0.06375 / 5) = 0.112916, half-width 0.092889: t [-0.017889, +0.167889]; the
+    # bootstrap's 5th percentile is 1/6 x 0.1 > 0, yet the rule does not call it
+    diff, low, high, n, sure, t_low, t_high = against_grpo(
+        dict(enumerate([0.3, 0.0, 0.0, 0.05, 0.05, 0.05])), base)
+    assert low > 0 and abs(t_low + 0.017889) < 1e-6 and not sure
 
 
 def test_chains_runs_are_complete_and_each_ran_its_default_command():
@@ -568,11 +593,11 @@ def test_results_md_prints_every_seed_and_the_rule():
         mine = chains_metrics(m)
         for name in ["final test accuracy", f"steps to {TARGET}", f"training s to {TARGET}",
                      f"test accuracy at {BUDGET} s"]:
-            diff, low, high, n, sure = against_grpo(mine[name], grpo[name])
+            diff, low, high, n, sure, t_low, t_high = against_grpo(mine[name], grpo[name])
             words = (f": {WORDS[name][int(diff < 0)]}" if sure
                      else f": not distinguishable at {n} seeds")
             printed("results.md", f"| {m} | " * (name == "final test accuracy")
-                    + f"@ [@, @]{words}", diff, low, high)
+                    + f"@ [@, @], t [@, @]{words}", diff, low, high, t_low, t_high)
             rule_words.append(words)
     assert sorted(re.findall(VERDICT, doc("results.md"))) == sorted(w[2:] for w in rule_words)
     finals = grpo["final test accuracy"].values()
@@ -606,11 +631,11 @@ def test_method_pages_print_their_chains_table():
                 cells.append("@ (" + " / ".join("@" if s in table else "–" for s in seeds()) + ")")
                 values += [float(np.mean(list(table.values()))),
                            *(table[s] for s in seeds() if s in table)]
-            diff, low, high, n, sure = against_grpo(mine[name], grpo[name])
+            diff, low, high, n, sure, t_low, t_high = against_grpo(mine[name], grpo[name])
             words = (f": {WORDS[name][int(diff < 0)]}" if sure
                      else f": not distinguishable at {n} seeds")
-            printed(f"{m}.md", f"| {name} | {cells[0]} | {cells[1]} | @ [@, @]{words} |",
-                    *values, diff, low, high)
+            printed(f"{m}.md", f"| {name} | {cells[0]} | {cells[1]} | @ [@, @], t [@, @]{words} |",
+                    *values, diff, low, high, t_low, t_high)
             verdicts.append(words[2:])
         assert sorted(re.findall(VERDICT, doc(f"{m}.md"))) == sorted(verdicts), m
 
@@ -639,13 +664,12 @@ def test_readme_which_method_when_quotes_the_same_means():
     grpo = chains_metrics("grpo")
     called = {(m, k): WORDS[k][int(stat[0] < 0)] for m in METHODS[1:] for k in WORDS
               if (stat := against_grpo(chains_metrics(m)[k], grpo[k]))[4]}
-    # "at 6 seeds the rule calls three differences, all CPPO's (below)"
-    assert called == {("cppo", final): "more accurate", ("cppo", steps): "fewer steps",
-                      ("cppo", budget): "more accurate"}
-    assert f"at {len(seeds())} seeds the rule calls three differences, all CPPO's" in doc(readme)
-    assert ("By the rule it is *more accurate* at the end and at 201 s and needs *fewer steps* to "
-            "0.85, while its time "
-            f"to 0.85 is not distinguishable at {len(seeds())} seeds" in doc("../README.md"))
+    # "at 6 seeds the rule calls two differences, both CPPO's (below)"
+    assert called == {("cppo", final): "more accurate", ("cppo", steps): "fewer steps"}
+    assert f"at {len(seeds())} seeds the rule calls two differences, both CPPO's" in doc(readme)
+    assert ("By the rule its recipe is *more accurate* at the end and needs *fewer steps* to 0.85, "
+            "with 8× the rollouts a step; at 201 s and in time to 0.85 it is not distinguishable "
+            f"at {len(seeds())} seeds" in doc("../README.md"))
     finals = grpo[final].values()
     printed(readme, "Its final test accuracy spans @–@ over these seeds", min(finals), max(finals))
     # what CPPO's recipe samples against GRPO's: 4x the questions, 8x the rollouts
@@ -675,7 +699,7 @@ def test_pages_quote_the_seed_spread_and_the_seed_counts():
             max(grpo[final].values()))
     for m in ("two_grpo", "mmr_grpo"):  # the pages' "every interval spans zero"
         assert all(low <= 0 <= high for k in WORDS
-                   for _, low, high, _, _ in [against_grpo(chains_metrics(m)[k],
+                   for _, low, high, _, _, _, _ in [against_grpo(chains_metrics(m)[k],
                                                            grpo[k])]), m
     printed("mmr_grpo.md", "GRPO's own final test accuracy spans @–@ over these @ seeds "
             "(MMR-GRPO's @–@)",
@@ -700,7 +724,7 @@ def grpo_late_change():
     90 % interval (the README once showed three chosen seeds' decline instead)."""
     curves = {s: dict((p[0], p[1]) for p in kept_runs()[f"learning grpo {s}"]["curve"])
               for s in seeds()}
-    diff, low, high, n, _ = against_grpo({s: c[80] for s, c in curves.items()},
+    diff, low, high, n, *_ = against_grpo({s: c[80] for s, c in curves.items()},
                                          {s: c[40] for s, c in curves.items()})
     return diff, low, high, n
 
