@@ -75,7 +75,7 @@ EQUAL_TIME = "validation accuracy at equal time"  # against the ablation: run_me
 # MMR-GRPO has none: grpo.py's defaults are its own without the MMR step (docs/mmr_grpo.md), so
 # GRPO's default runs are its comparator
 ABLATIONS = {
-    "cppo": ("cppo", "--pruning 0 --steps 640 --warmup_steps 16 --time_budget 946 --eval_every 10"),
+    "cppo": ("cppo", "--pruning 0 --steps 640 --warmup_steps 16 --time_budget 946 --eval_every 9"),
     "dppo": ("dppo", "--prune_prompts 0 --prune_completions 0"),
     "two_grpo": ("grpo", "--group_size 16 --prompts_per_step 8 --steps 640 --beta 0 "
                          "--eps_high 0.28 --warmup_steps 10 --eval_every 15")}
