@@ -78,11 +78,11 @@ ABLATIONS = {
     "cppo": ("cppo", "--pruning 0 --steps 640 --warmup_steps 16 --time_budget 946 --eval_every 9"),
     "dppo": ("dppo", "--prune_prompts 0 --prune_completions 0"),
     "two_grpo": ("grpo", "--group_size 16 --prompts_per_step 8 --steps 640 --beta 0 "
-                         "--eps_high 0.28 --warmup_steps 10 --eval_every 15")}
+                         "--eps_high 0.28 --warmup_steps 10 --eval_every 12")}
 # a learning run's --eval_every where the task's own would leave its curve too coarse: CPPO's chains
-# steps take ~12 training s, so every 10 steps left 118 s between evaluations and its time to 0.85
+# steps take 12-16 training s, so every 10 steps left 118 s between evaluations and its time to 0.85
 # unresolved (the others' 10 steps take <= 40 s)
-EVAL_EVERY = {("chains", "cppo"): 3}
+EVAL_EVERY = {("chains", "cppo"): 2}
 
 
 # 1. The training update: packed vs padded

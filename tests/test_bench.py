@@ -269,7 +269,7 @@ def test_cppo_learns_with_validation_every_3_steps_unless_eval_every_is_given():
     from bench import script_flags
     learning = ["--dataset", "chains", "--rollout", "auto", "--seed", "0"]
     assert script_flags(learning_args(), "learning", "chains", "cppo", 0) == learning + [
-        "--eval_every", "3"]
+        "--eval_every", "2"]
     for method in ["grpo", "two_grpo", "dppo", "mmr_grpo"]:  # theirs as it was
         assert script_flags(learning_args(), "learning", "chains", method, 0) == learning
     assert script_flags(learning_args(), "learning", "toy", "cppo", 0)[-2:] == ["--seed", "0"]
@@ -287,7 +287,7 @@ def test_the_ablation_runs_flags_and_folders(tmp_path, monkeypatch):
             "dppo": ("dppo", ["--prune_prompts", "0", "--prune_completions", "0"]),
             "two_grpo": ("grpo", ["--group_size", "16", "--prompts_per_step", "8", "--steps",
                                   "640", "--beta", "0", "--eps_high", "0.28", "--warmup_steps",
-                                  "10", "--eval_every", "15"])}
+                                  "10", "--eval_every", "12"])}
     assert set(bench.ABLATIONS) == set(want)  # MMR-GRPO's is GRPO's default run
     rows = [{"step": 0, "eval_accuracy": 0.5},
             {"step": 1, "step_s": 2.0, "rollouts": 128, "completion_len": 10.0,
