@@ -211,6 +211,10 @@ def test_the_decision_rule_by_hand():
     assert verdict(up[:5], zero[:5], "up", "down", ".2f").endswith("not distinguishable at 5 seeds")
     mixed = verdict([(-1) ** s * 0.1 for s in range(MIN_SEEDS)], zero, "up", "down", ".2f")
     assert mixed.startswith("+0.00 [-0.") and mixed.endswith("not distinguishable at 6 seeds")
+    # the second check decides: the bootstrap's 5th percentile is 1/6 x 0.1 > 0, but sd 0.112916
+    # gives t [0.075 - 2.015048 x 0.112916 / sqrt(6)] = [-0.018, +0.168]: not called
+    second = verdict([0.3, 0.0, 0.0, 0.05, 0.05, 0.05], zero, "up", "down", ".3f")
+    assert second == "+0.075 [+0.017, +0.158], t [-0.018, +0.168]: not distinguishable at 6 seeds"
     assert verdict([1.0, nan], [nan, 1.0], "up", "down", ".2f") == "-"  # no pair
     # one pair: no spread, no t-interval, nothing called
     assert verdict([1.0], [0.5], "up", "down", ".1f") == \
