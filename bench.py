@@ -73,16 +73,19 @@ EQUAL_TIME = "validation accuracy at equal time"  # against the ablation: run_me
 # pruned; 2-GRPO (docs/two_grpo.md): 16-GRPO at 2-GRPO's 128 rollouts a step over the same 5,120
 # prompts (64 x 80 steps) with 2-GRPO's beta 0, clip-higher and warm-up: the paper's comparator.
 # MMR-GRPO has none: grpo.py's defaults are its own without the MMR step (docs/mmr_grpo.md), so
-# GRPO's default runs are its comparator
+# GRPO's default runs are its comparator. Each ablation pairs with the method's default command
+# made again just before it (part "paired", seed by seed), not with its learning run: those are
+# kept from other days, on VMs of other speeds
 ABLATIONS = {
     "cppo": ("cppo", "--pruning 0 --steps 640 --warmup_steps 16 --time_budget 946 --eval_every 9"),
     "dppo": ("dppo", "--prune_prompts 0 --prune_completions 0"),
     "two_grpo": ("grpo", "--group_size 16 --prompts_per_step 8 --steps 640 --beta 0 "
                          "--eps_high 0.28 --warmup_steps 10 --eval_every 12")}
-# a learning run's --eval_every where the task's own would leave its curve too coarse: CPPO's chains
-# steps take 12-16 training s, so every 10 steps left 118 s between evaluations and its time to 0.85
-# unresolved (the others' 10 steps take <= 40 s)
-EVAL_EVERY = {("chains", "cppo"): 2}
+# {(task, method, part): --eval_every} where the task's own would leave the curve too coarse: CPPO's
+# chains steps take 12-16 training s, so every 10 steps left 118 s between evaluations and its time
+# to 0.85 unresolved (the others' 10 steps take <= 40 s). Only its paired runs (below): its learning
+# runs keep every 10, so that their kept summaries stay valid
+EVAL_EVERY = {("chains", "cppo", "paired"): 2}
 
 
 # 1. The training update: packed vs padded
@@ -95,7 +98,6 @@ def read(path):  # a .json file's object, or a .jsonl file's rows
         return [json.loads(line) for line in f if line.strip()]
 
 
-@functools.lru_cache(maxsize=None)
 def model_lengths(dataset, n, group, seed=0):
     """(prompt, completion) lengths of n samples (T = 1), `group` per training prompt, of a built-in
     task's model."""
@@ -123,9 +125,7 @@ def synthetic_samples(n, lengths, vocab, group, seed=0):
         prompt = per_prompt.repeat(group)[:n]
         completion = np.clip(rng.lognormal(np.log(c_median), c_sigma, n), 1, c_cap).astype(int)
     coefs = token_coefficients(completion, "seq_mean").tolist()
-    prompts = []
-    for p in prompt[::group]:
-        prompts.append(rng.integers(3, vocab, p).tolist())
+    prompts = [rng.integers(3, vocab, p).tolist() for p in prompt[::group]]
     samples = []
     for i, (c, k) in enumerate(zip(completion, coefs)):
         completion_ids = rng.integers(3, vocab, c).tolist()
@@ -286,18 +286,18 @@ def task_name(dataset):  # chains, or the last part of a dataset's path
 
 
 def script_flags(args, part, dataset, method, seed, budget=None, extend=False):
-    """Learning: the default command (+ overrides; EVAL_EVERY's where --eval_every is not given);
-    budget: that ended at `budget` training s, --steps raised if `extend`; ablation: that followed
-    by ABLATIONS' flags. Breakdown: Q questions x G completions a step each (2-GRPO Q G / 2
-    pairs; CPPO the B its allocation turns into Q, docs/cppo.md#eq-allocation)."""
+    """Learning: the default command (+ overrides); paired: the same, made again beside its
+    ablation (EVAL_EVERY's --eval_every where none is given); budget: that ended at `budget`
+    training s, --steps raised if `extend`; ablation: the learning flags followed by ABLATIONS'.
+    Breakdown: Q questions x G completions a step each (2-GRPO Q G / 2 pairs; CPPO the B its
+    allocation turns into Q, docs/cppo.md#eq-allocation)."""
     flags = ["--dataset", dataset, "--rollout", args.rollout]
     if args.model:
         flags += ["--model", args.model]
     if part != "breakdown":
         flags += ["--seed", str(seed)]
-        # the budget and ablation runs keep the task's own
-        every = args.eval_every or (EVAL_EVERY.get((task_name(dataset), method))
-                                    if part == "learning" else None)
+        # the learning, budget and ablation runs keep the task's own
+        every = args.eval_every or EVAL_EVERY.get((task_name(dataset), method, part))
         given = (("eval_every", every), ("steps", args.learn_steps), ("eval_n", args.eval_n))
         for name, value in given:
             if value:
@@ -366,7 +366,8 @@ def run_scripts(args, runs):
     """{(part, dataset, method, seed): summary} and {runs-<task>.json: summaries}: the runs of
     docs/results/runs-<dataset>.json with the same flags are reused, the rest run and added; the
     equal-budget runs after the learning ones (their flags need GRPO's median training seconds, or
-    --budget_s), then the ablations (ABLATIONS: on chains, not with --quick)."""
+    --budget_s), then seed by seed each paired run and its ablation (ABLATIONS: on chains, not
+    with --quick)."""
     results = {}
     kept = {}
     if not {"breakdown", "learning"} & set(args.parts):
@@ -379,8 +380,12 @@ def run_scripts(args, runs):
         if "breakdown" in args.parts:
             jobs += [("breakdown", d, m, 0) for m in args.methods]
         if "learning" in args.parts:  # the equal-budget runs' flags need GRPO's learning runs
-            for part in ("learning", "budget", "ablation"):
-                jobs += [(part, d, m, s) for s in args.seeds for m in args.methods]
+            # then the ablations seed by seed, each after its pair, the method's default command
+            # made again: one after the other, so that the machine's drift between sittings
+            # (another day, another VM) stays out of the pair
+            for parts in (["learning"], ["budget"], ["paired", "ablation"]):
+                jobs += [(part, d, m, s) for s in args.seeds for m in args.methods
+                         for part in parts]
         bar = tqdm(jobs, desc=f"bench: {d} scripts", dynamic_ncols=True)
         for job in bar:
             part, _, method, seed = job
@@ -388,8 +393,8 @@ def run_scripts(args, runs):
             if part == "budget" and (method == "grpo" or not budget):  # its default run is one
                 continue
             # on chains only, the methods that have one; --quick: none
-            if part == "ablation" and (task_name(d) != "chains" or args.quick
-                                       or method not in ABLATIONS):
+            if part in ("paired", "ablation") and (task_name(d) != "chains" or args.quick
+                                                   or method not in ABLATIONS):
                 continue
             bar.set_postfix_str(f"{part} {method} {seed}")
             learned = results.get(("learning", d, method, seed), {})
@@ -408,12 +413,12 @@ def budget_seconds(args, dataset, results):
     return args.budget_s or BUDGET_S.get(dataset) or median
 
 
-def step_phases(rows, skip=1):
-    """Median seconds per phase and rollouts after `skip` warm-up steps; a `<name>_s` not all log
-    is overhead."""
+def step_phases(rows):
+    """Median seconds per phase and rollouts after the first timed step, the warm-up; a
+    `<name>_s` not all log is overhead."""
     timed_rows = [r for r in rows if "step_s" in r]
     steps = []
-    for r in timed_rows[skip:] or timed_rows:  # (1 step: itself)
+    for r in timed_rows[1:] or timed_rows:  # (1 step: itself)
         s = {p: r.get(p, 0.0) for p in SHARED[:4]}
         s["overhead_s"] = sum(v for k, v in r.items() if k.endswith("_s") and k not in SHARED)
         s["other_s"] = r["step_s"] - sum(s.values())
@@ -592,9 +597,9 @@ def seed_row(label, values, spec):
 
 
 def learning_section(args, dataset, number, results, figures):
-    """Section `number`: the curves (into `figures`), each metric per seed of each method and
-    ablation, then by the decision rule each method against GRPO (the recipes) and against its
-    ablation, and 2-GRPO's shares of 16-GRPO's."""
+    """Section `number`: the curves (into `figures`), each metric per seed of each method, paired
+    run and ablation, then by the decision rule each method against GRPO (the recipes) and its
+    paired run against its ablation, and 2-GRPO's shares of 16-GRPO's."""
     t = args.target or TARGETS.get(dataset, 0.5)
     budget = budget_seconds(args, dataset, results)
 
@@ -606,9 +611,11 @@ def learning_section(args, dataset, number, results, figures):
     offs = {m: seeds("ablation", m) for m in args.methods
             if ("ablation", dataset, m, args.seeds[0]) in results}
     figures[f"learning-{dataset}.png"] = learning_figure(runs, t)
-    tables = {m: run_metrics(runs[m], t, offs.get(m)) for m in runs}
+    tables = {m: run_metrics(runs[m], t) for m in runs}
     for m in offs:
-        tables[f"{m} ablation"] = run_metrics(offs[m], t, runs[m])
+        ons = seeds("paired", m)  # its pair: the method's default command, made just before it
+        tables[f"{m} paired"] = run_metrics(ons, t, offs[m])
+        tables[f"{m} ablation"] = run_metrics(offs[m], t, ons)
     recipes = ["final test accuracy", f"steps to {t}", f"training s to {t}"]
     if budget:
         recipes.append(f"test accuracy at {budget} s")
@@ -628,7 +635,8 @@ def learning_section(args, dataset, number, results, figures):
     ablations += [EQUAL_TIME, "final test accuracy"]
     against = {"learning_verdicts": (recipes, [(m, "grpo") for m in args.methods
                                                if "grpo" in runs and m != "grpo"]),
-               "learning_ablations": (ablations, [(m, f"{m} ablation") for m in offs])}
+               "learning_ablations": (ablations, [(f"{m} paired", f"{m} ablation")
+                                                  for m in offs])}
     count = 0  # the verdicts the section gives
     for block, (names, pairs) in against.items():
         if pairs:
@@ -640,7 +648,7 @@ def learning_section(args, dataset, number, results, figures):
     if "two_grpo" in offs:
         report += ["", fill("learning_two_grpo", **columns)]
         for name in ("final test accuracy", "rollouts, whole run", "training s, whole run"):
-            shares = [a / b for a, b in zip(tables["two_grpo"][name],
+            shares = [a / b for a, b in zip(tables["two_grpo paired"][name],
                                             tables["two_grpo ablation"][name])]
             report.append(seed_row(name, shares, ".1%"))
     if count:

@@ -61,7 +61,7 @@ def test_chains_length_mix_is_what_its_model_samples():
     length)."""
     from bench import model_lengths
     from common import DATASETS, load_dataset, load_tokenizer, prompt_token_ids
-    lengths = model_lengths("chains", 16, 4, 0)  # the same call as synthetic_samples' (cached)
+    lengths = model_lengths("chains", 16, 4, 0)  # the same call as synthetic_samples makes
     samples = synthetic_samples(16, "chains", 448, 4)
     assert [(len(s.prompt_ids), len(s.completion_ids)) for s in samples] == lengths
     # 4 per prompt
@@ -269,15 +269,20 @@ def learning_args(**given):
     return argparse.Namespace(**{**flags, **given})
 
 
-def test_cppo_learns_with_validation_every_3_steps_unless_eval_every_is_given():
+def test_cppo_beside_its_ablation_validates_every_2_steps_unless_eval_every_is_given():
+    """The paired run (the default command made again beside the ablation) is the learning run's
+    flags, but CPPO's on chains validates every 2 steps; its learning runs (against GRPO) keep the
+    task's own, so their kept summaries stay valid."""
     from bench import script_flags
     learning = ["--dataset", "chains", "--rollout", "auto", "--seed", "0"]
-    assert script_flags(learning_args(), "learning", "chains", "cppo", 0) == learning + [
+    assert script_flags(learning_args(), "paired", "chains", "cppo", 0) == learning + [
         "--eval_every", "2"]
+    assert script_flags(learning_args(), "learning", "chains", "cppo", 0) == learning
     for method in ["grpo", "two_grpo", "dppo", "mmr_grpo"]:  # theirs as it was
-        assert script_flags(learning_args(), "learning", "chains", method, 0) == learning
-    assert script_flags(learning_args(), "learning", "toy", "cppo", 0)[-2:] == ["--seed", "0"]
-    given = script_flags(learning_args(eval_every=7), "learning", "chains", "cppo", 0)
+        for part in ["learning", "paired"]:
+            assert script_flags(learning_args(), part, "chains", method, 0) == learning
+    assert script_flags(learning_args(), "paired", "toy", "cppo", 0)[-2:] == ["--seed", "0"]
+    given = script_flags(learning_args(eval_every=7), "paired", "chains", "cppo", 0)
     assert given == learning + ["--eval_every", "7"]
 
 
@@ -334,11 +339,19 @@ def test_the_ablation_runs_flags_and_folders(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "chains-ablation-two_grpo-3" / "bench_flags.json")
                       .read_text()) == bench.script_flags(learning_args(), "ablation", "chains",
                                                           "two_grpo", 3)
+    # the pair: the method's own script, its own folder and key beside the learning run's
+    flags = bench.script_flags(learning_args(), "paired", "chains", "two_grpo", 3)
+    got = bench.run_script(learning_args(), str(tmp_path), ("paired", "chains", "two_grpo", 3),
+                           flags, kept)
+    assert ran[-1][1] == os.path.join(bench.REPO, "two_grpo.py")
+    assert ran[-1][-1] == str(tmp_path / "chains-paired-two_grpo-3")
+    assert kept["paired two_grpo 3"] is got and "learning two_grpo 3" not in kept
 
 
 def test_ablations_run_after_the_learning_runs_on_chains_only(monkeypatch):
-    """The jobs bench runs: learning, then the equal-budget runs, then the ablations of the methods
-    given that have one, for every seed; none on the toy, none with --quick."""
+    """The jobs bench runs: learning, then the equal-budget runs, then seed by seed each method
+    given that has an ablation: its default command again (paired), then the ablation; none on
+    the toy, none with --quick."""
     import bench
     jobs = []
 
@@ -348,8 +361,9 @@ def test_ablations_run_after_the_learning_runs_on_chains_only(monkeypatch):
     monkeypatch.setattr(bench, "run_script", fake)
     bench.run_scripts(learning_args(), "unused")
     parts = [part for part, _, _, _ in jobs]
-    assert parts == ["learning"] * 10 + ["budget"] * 8 + ["ablation"] * 6
-    assert [(m, s) for part, m, s, _ in jobs if part == "ablation"] == [
+    assert parts == ["learning"] * 10 + ["budget"] * 8 + ["paired", "ablation"] * 6
+    pairs = [(m, s) for part, m, s, _ in jobs if part in ("paired", "ablation")]
+    assert pairs[::2] == pairs[1::2] == [
         ("two_grpo", 0), ("cppo", 0), ("dppo", 0), ("two_grpo", 1), ("cppo", 1), ("dppo", 1)]
     budget = [flags for part, m, s, flags in jobs if (part, m, s) == ("budget", "cppo", 1)]
     assert budget == [["--dataset", "chains", "--rollout", "auto", "--seed", "1",
@@ -360,11 +374,14 @@ def test_ablations_run_after_the_learning_runs_on_chains_only(monkeypatch):
         jobs.clear()
         bench.run_scripts(learning_args(**given), "unused")
         assert [(m, s) for part, m, s, _ in jobs if part == "ablation"] == ablations, given
+        assert [(m, s) for part, m, s, _ in jobs if part == "paired"] == ablations, given
 
 
 def ablation_results(old_curves=False):
     """Made-up chains summaries of GRPO, 2-GRPO and CPPO at 6 seeds, with 16-GRPO's and CPPO's
-    ablations (a run kept before tokens were counted has 4-number points)."""
+    ablations and their pairs, 2-GRPO's and CPPO's default commands made again, which end 0.02
+    and 0.01 more accurate than their learning runs (a run kept before tokens were counted has
+    4-number points)."""
     results = {}
     for s in range(6):
         grpo = [(0, 0.5, 0.0, 0.0, 0.0), (10, 0.86, 20.0 + s, 1280.0, 60000.0),
@@ -377,12 +394,14 @@ def ablation_results(old_curves=False):
                 (6, 0.95, 72.0 + s, 1536.0, 60000.0)]
         cppo_off = [(0, 0.5, 0.0, 0.0, 0.0), (10, 0.8, 50.0, 2560.0, 9e4),
                     (20, 0.9, 100.0, 5120.0, 18e4)]
-        if old_curves:
+        if old_curves:  # the learning and paired runs' both
             two = [p[:4] for p in two]
         for part, m, points, test in [("learning", "grpo", grpo, 0.88),
                                       ("learning", "two_grpo", two, 0.9 - 0.01 * (s % 2)),
+                                      ("paired", "two_grpo", two, 0.92 - 0.01 * (s % 2)),
                                       ("ablation", "two_grpo", sixteen, 0.92),
                                       ("learning", "cppo", cppo, 0.97),
+                                      ("paired", "cppo", cppo, 0.98),
                                       ("ablation", "cppo", cppo_off, 0.93)]:
             flags = ["--dataset", "chains", "--seed", str(s)]
             results[part, "chains", m, s] = {"curve": points, "test": test, "flags": flags}
@@ -390,9 +409,9 @@ def ablation_results(old_curves=False):
 
 
 def test_the_ablation_table_from_made_up_runs():
-    """Each method against its ablation: method - ablation, paired by seed, at the target, at equal
-    time (each run's last evaluation by the sooner end of the two) and at the end; 2-GRPO's shares
-    of 16-GRPO's; the rule counts every comparison the section makes."""
+    """Each method against its ablation: its paired run - ablation, paired by seed, at the target,
+    at equal time (each run's last evaluation by the sooner end of the two) and at the end;
+    2-GRPO's shares of 16-GRPO's; the rule counts every comparison the section makes."""
     import bench
     args = learning_args(methods=["grpo", "two_grpo", "cppo"], seeds=list(range(6)), budget_s=0)
     text = "\n".join(bench.learning_section(args, "chains", 5, ablation_results(), {}))
@@ -403,7 +422,7 @@ def test_the_ablation_table_from_made_up_runs():
                       "generated tokens to 0.85 | validation accuracy at equal time | final test "
                       "accuracy |")
     cppo = lines[ablation + 5].split(" | ")
-    assert cppo[0] == "| cppo"
+    assert cppo[0] == "| cppo paired"
     # CPPO 0.85 at step 3, 36 s, 768 rollouts, 30,000 tokens; its ablation at step 20, 100 s,
     # 5,120, 180,000: every seed the same, so both intervals are the difference itself
     assert cppo[1] == "-17 [-17, -17], t [-17, -17]: fewer steps"
@@ -411,17 +430,21 @@ def test_the_ablation_table_from_made_up_runs():
     assert cppo[3].endswith(": fewer rollouts") and cppo[4].startswith("-150,000 [")
     # CPPO ends at 72 + s s, before its ablation (100 s): 0.95 against 0.8 (the ablation at 50 s)
     assert cppo[5] == "+0.150 [+0.150, +0.150], t [+0.150, +0.150]: more accurate"
-    assert cppo[6].startswith("+0.040 [+0.040, +0.040]") and cppo[6].endswith("more accurate |")
+    # the paired run's 0.98 against 0.93 (the learning run's 0.97 pairs with GRPO's only)
+    assert cppo[6].startswith("+0.050 [+0.050, +0.050]") and cppo[6].endswith("more accurate |")
     two = lines[ablation + 4].split(" | ")
-    assert two[0] == "| two_grpo"
+    assert two[0] == "| two_grpo paired"
     # 2-GRPO ends at 40 s: its 0.9 against 16-GRPO's 0.85 (its evaluation at 30 s)
     assert two[5].startswith("+0.050 [")
     assert "| two_grpo ablation | validation accuracy at equal time | 0.850 | 0.850 |" in text
-    assert "| cppo | validation accuracy at equal time | 0.950 | 0.950 |" in text
+    assert "| cppo paired | validation accuracy at equal time | 0.950 | 0.950 |" in text
+    assert "| cppo | validation accuracy at equal time |" not in text  # against GRPO: none
+    assert "| cppo | final test accuracy | 0.970 | 0.970 |" in text
     shares = lines.index("| 2-GRPO / 16-GRPO | seed 0 | seed 1 | seed 2 | seed 3 | seed 4 | seed 5 "
                          "| mean |")
-    assert lines[shares + 2] == ("| final test accuracy | 97.8% | 96.7% | 97.8% | 96.7% | 97.8% | "
-                                 "96.7% | 97.3% (6 seeds) |")
+    # the paired runs' 0.92 and 0.91 against 16-GRPO's 0.92
+    assert lines[shares + 2] == ("| final test accuracy | 100.0% | 98.9% | 100.0% | 98.9% | "
+                                 "100.0% | 98.9% | 99.5% (6 seeds) |")
     assert lines[shares + 3].startswith("| rollouts, whole run | 12.5% | 12.5% |")
     assert lines[shares + 4].startswith("| training s, whole run | 20.0% |")
     # 2 methods against GRPO x 3 metrics, 2 against their ablations x 6
@@ -459,7 +482,7 @@ def test_runs_kept_before_tokens_were_counted_still_report():
     text = "\n".join(bench.learning_section(args, "chains", 5, ablation_results(True), figures))
     assert "| two_grpo | generated tokens to 0.85 | – | – | – | – | – | – | - |" in text
     assert "| two_grpo | steps to 0.85 | 20 | 20 | 20 | 20 | 20 | 20 | 20 (6 seeds) |" in text
-    row = next(line for line in text.splitlines() if line.startswith("| two_grpo | +5 ["))
+    row = next(line for line in text.splitlines() if line.startswith("| two_grpo paired | +5 ["))
     assert row.split(" | ")[4] == "-"  # generated tokens: no pair
     assert list(figures) == ["learning-chains.png"]
     bench.plt.close("all")
@@ -607,6 +630,10 @@ def test_bench_learning_on_chains_runs_the_budget_runs_and_reuses_finished_ones(
         "--dataset", "chains", "--rollout", "hf", "--seed", "0", "--steps", "1", "--eval_n", "6",
         "--prune_prompts", "0", "--prune_completions", "0"]
     assert "ablation dppo 0" in kept and not (runs / "chains-ablation-grpo-0").exists()
+    # made just before it: DPPO's default command again, beside its learning run
+    paired = json.loads((runs / "chains-paired-dppo-0" / "bench_flags.json").read_text())
+    assert paired == kept["learning dppo 0"]["flags"] == kept["paired dppo 0"]["flags"]
+    assert not (runs / "chains-paired-grpo-0").exists()
     lines = (runs / "chains-learning-grpo-0" / "metrics.jsonl").read_text().splitlines()
     grpo = [json.loads(line) for line in lines]
     assert f"| grpo | final test accuracy | {grpo[-1]['test_accuracy']:.3f} | " in text

@@ -522,7 +522,8 @@ def chains_metrics(method):
             f"test accuracy at {BUDGET} s": budget}
 
 
-T_95 = {5: 2.015048}  # the t distribution's 95th percentile at 5 degrees of freedom (tables)
+# the t distribution's 95th percentile at 1-5 degrees of freedom (tables)
+T_95 = {1: 6.313752, 2: 2.919986, 3: 2.353363, 4: 2.131847, 5: 2.015048}
 
 
 def against_grpo(values, base):
@@ -599,7 +600,19 @@ def test_results_md_prints_every_seed_and_the_rule():
             printed("results.md", f"| {m} | " * (name == "final test accuracy")
                     + f"@ [@, @], t [@, @]{words}", diff, low, high, t_low, t_high)
             rule_words.append(words)
+    for m in ABLATED:  # each method's kept pairs, seed by seed and its row of the ablations' table
+        seeds_ = pair_seeds(m)
+        for name, mine, base, numbers, word in pair_verdicts(m):
+            for label, table in zip(("paired", "ablation"), (mine, base)):
+                cells = " | ".join("@" if s in table else "–" for s in seeds_)
+                printed("results.md", f"| {m} {label} | {name} | {cells} | @ (@ seeds) |",
+                        *(table[s] for s in seeds_ if s in table),
+                        float(np.mean(list(table.values()))), len(table))
+            printed("results.md", f"| {m} paired | " * (name == PAIR_METRICS[0])
+                    + f"@ [@, @], t [@, @]: {word}", *numbers)
+            rule_words.append(f": {word}")
     assert sorted(re.findall(VERDICT, doc("results.md"))) == sorted(w[2:] for w in rule_words)
+    printed("results.md", "This section makes @ comparisons", len(rule_words))
     finals = grpo["final test accuracy"].values()
     printed("results.md", "GRPO's final test accuracies over these seeds span @ to @",
             min(finals), max(finals))
@@ -637,6 +650,7 @@ def test_method_pages_print_their_chains_table():
             printed(f"{m}.md", f"| {name} | {cells[0]} | {cells[1]} | @ [@, @], t [@, @]{words} |",
                     *values, diff, low, high, t_low, t_high)
             verdicts.append(words[2:])
+        verdicts += [words for *_, words in pair_verdicts(m)]  # and its ablation table's
         assert sorted(re.findall(VERDICT, doc(f"{m}.md"))) == sorted(verdicts), m
 
 
@@ -781,3 +795,134 @@ def test_grpo_md_gpu_and_trl_ratios():
     printed("grpo.md", "`grpo.py` @ s and @ s (@ s with `--rollout hf`), TRL @ s and @ s: @–@ % "
             "shorter", *ours, 0.971, *trl, 100 * (1 - ours[1] / trl[1]),
             100 * (1 - ours[0] / trl[0]))
+
+
+# ------------------------------------------------------------------------------------
+# each method against its ablation: the kept pairs (`paired <m> <s>`, its default command made
+# again just before `ablation <m> <s>`), recomputed here from their curves
+
+ABLATED = {"two_grpo": "grpo", "cppo": "cppo", "dppo": "dppo"}  # {method: the ablation's script}
+ABLATION_FLAGS = {"two_grpo": "--group_size 16 --prompts_per_step 8 --steps 640 --beta 0 "
+                              "--eps_high 0.28 --warmup_steps 10 --eval_every 12",
+                  "cppo": "--pruning 0 --steps 640 --warmup_steps 16 --time_budget 946 "
+                          "--eval_every 9",
+                  "dppo": "--prune_prompts 0 --prune_completions 0"}
+PAIR_METRICS = [f"steps to {TARGET}", f"training s to {TARGET}", f"rollouts to {TARGET}",
+                f"generated tokens to {TARGET}", "validation accuracy at equal time",
+                "final test accuracy"]
+PAIR_WORDS = {PAIR_METRICS[0]: ("more steps", "fewer steps"),
+              PAIR_METRICS[1]: ("slower", "faster"),
+              PAIR_METRICS[2]: ("more rollouts", "fewer rollouts"),
+              PAIR_METRICS[3]: ("more generated tokens", "fewer generated tokens"),
+              PAIR_METRICS[4]: ("more accurate", "less accurate"),
+              PAIR_METRICS[5]: ("more accurate", "less accurate")}
+
+
+def pair_seeds(method):
+    """The seeds with both runs of a method's ablation pair kept."""
+    return sorted(s for s in range(100) if f"paired {method} {s}" in kept_runs()
+                  and f"ablation {method} {s}" in kept_runs())
+
+
+def pair_metrics(run, other):
+    """{metric: value} of one run against the other run of its seed (None: not reached)."""
+    points = run["curve"]
+    reached = next((p for p in points if p[1] >= TARGET), None)
+    end = min(points[-1][2], other["curve"][-1][2])  # the sooner end, training s
+    values = {"validation accuracy at equal time": [p[1] for p in points if p[2] <= end][-1],
+              "final test accuracy": run["test"]}
+    for i, name in enumerate(PAIR_METRICS[:4]):
+        values[name] = reached[[0, 2, 3, 4][i]] if reached else None
+    return values
+
+
+def pair_verdicts(method):
+    """[(metric, the method's values, the ablation's, the rule's numbers, its word)] of the kept
+    pairs, each metric over the seeds where both have a value."""
+    runs = kept_runs()
+    seeds_ = pair_seeds(method)
+    on = {s: pair_metrics(runs[f"paired {method} {s}"], runs[f"ablation {method} {s}"])
+          for s in seeds_}
+    off = {s: pair_metrics(runs[f"ablation {method} {s}"], runs[f"paired {method} {s}"])
+           for s in seeds_}
+    out = []
+    for name in PAIR_METRICS if seeds_ else []:
+        mine, base = [{s: v[name] for s, v in side.items() if v[name] is not None}
+                      for side in (on, off)]
+        diff, low, high, n, sure, t_low, t_high = against_grpo(mine, base)
+        word = PAIR_WORDS[name][int(diff < 0)] if sure else f"not distinguishable at {n} seeds"
+        out.append((name, mine, base, (diff, low, high, t_low, t_high), word))
+    return out
+
+
+def test_the_ablation_pairs_ran_their_commands_one_after_the_other():
+    """Each kept pair: the default command (CPPO's validating every 2 steps), then the ablation's
+    flags after it, on one machine, the ablation finished after its pair."""
+    runs = kept_runs()
+    for m, flags in ABLATION_FLAGS.items():
+        for s in pair_seeds(m):
+            on, off = runs[f"paired {m} {s}"], runs[f"ablation {m} {s}"]
+            default = ["--dataset", "chains", "--rollout", "auto", "--seed", str(s)]
+            assert on["flags"] == default + ["--eval_every", "2"] * (m == "cppo"), (m, s)
+            assert off["flags"] == default + flags.split(), (m, s)
+            assert on["machine"] == off["machine"] and on["date"] <= off["date"], (m, s)
+            assert on["engine"] == off["engine"] == "VLLMEngine"
+
+
+def test_method_pages_print_their_ablation_table():
+    """The page's table of the method against its ablation: mean (seed by seed) of each, the
+    difference [90 % bootstrap], t [90 % t-interval] and the rule's word, for every pair kept."""
+    for m in ABLATED:
+        seeds_ = pair_seeds(m)
+        for name, mine, base, numbers, word in pair_verdicts(m):
+            cells, values = [], []
+            for table in (mine, base):
+                cells.append("@ (" + " / ".join("@" if s in table else "–" for s in seeds_) + ")")
+                values += [float(np.mean(list(table.values()))),
+                           *(table[s] for s in seeds_ if s in table)]
+            printed(f"{m}.md", f"| {name} | {cells[0]} | {cells[1]} | @ [@, @], t [@, @]: {word} |",
+                    *values, *numbers)
+
+
+def test_dppo_md_quotes_its_pairs_steps():
+    """dppo.md: the median step and phases of DPPO's pairs (medians over the seeds of each run's
+    median), the whole runs, and the VM's speed against the learning runs'."""
+    runs = kept_runs()
+    seeds_ = pair_seeds("dppo")
+    assert len(seeds_) >= LEAST_SEEDS
+
+    def median(part, phase):
+        return float(np.median([runs[f"{part} dppo {s}"]["phases"][phase] for s in seeds_]))
+    on = {k: median("paired", k) for k in ("step_s", "rollout_s", "logp_s", "update_s")}
+    off = {k: median("ablation", k) for k in on}
+    trainer = (on["logp_s"] + on["update_s"]) / (off["logp_s"] + off["update_s"])
+    printed("dppo.md", "The median step was @ s against @ s with nothing pruned (@×): the "
+            "trainer's phases @× (log-probs @ s against @ s, the update @ s against @ s), the "
+            "rollout @× (@ s against @ s)", on["step_s"], off["step_s"],
+            on["step_s"] / off["step_s"], trainer,
+            on["logp_s"], off["logp_s"], on["update_s"], off["update_s"],
+            on["rollout_s"] / off["rollout_s"], on["rollout_s"], off["rollout_s"])
+    whole = [[runs[f"{part} dppo {s}"]["curve"][-1][2] for s in seeds_]
+             for part in ("paired", "ablation")]
+    assert all(a < b for a, b in zip(*whole))  # "shorter in every seed"
+    printed("dppo.md", "whole run shorter in every seed (@ s of training against @ s)",
+            float(np.mean(whole[0])), float(np.mean(whole[1])))
+    steps = [[runs[f"{part} dppo {s}"]["phases"]["step_s"] for s in seeds_]
+             for part in ("paired", "learning")]
+    printed("dppo.md", "(DPPO's median step @–@ s against @–@ s)", min(steps[0]), max(steps[0]),
+            min(steps[1]), max(steps[1]))
+    printed("dppo.md", "comparison, DPPO's step was @× as long", on["step_s"] / off["step_s"])
+
+
+def test_readme_quotes_dppos_pairs():
+    runs = kept_runs()
+    seeds_ = pair_seeds("dppo")
+    steps = [float(np.median([runs[f"{part} dppo {s}"]["phases"]["step_s"] for s in seeds_]))
+             for part in ("paired", "ablation")]
+    verdicts = {name: (mine, base, word) for name, mine, base, _, word in pair_verdicts("dppo")}
+    secs, final = verdicts[f"training s to {TARGET}"], verdicts["final test accuracy"]
+    assert secs[2] == final[2] == f"not distinguishable at {len(seeds_)} seeds"
+    printed("../README.md", "its step was @× as long, yet it reached 0.85 after @ s against @ s of "
+            "training and ended at @ against @: not distinguishable at @ seeds",
+            steps[0] / steps[1], *(float(np.mean(list(t.values()))) for t in secs[:2]),
+            *(float(np.mean(list(t.values()))) for t in final[:2]), len(seeds_))
