@@ -523,7 +523,8 @@ def chains_metrics(method):
 
 
 # the t distribution's 95th percentile at 1-5 degrees of freedom (tables)
-T_95 = {1: 6.313752, 2: 2.919986, 3: 2.353363, 4: 2.131847, 5: 2.015048}
+# to nine decimals: the generated tokens' intervals span 10^5-10^6, printed to units
+T_95 = {1: 6.313751515, 2: 2.91998558, 3: 2.353363435, 4: 2.131846786, 5: 2.015048373}
 
 
 def against_grpo(values, base):
@@ -926,3 +927,30 @@ def test_readme_quotes_dppos_pairs():
             "training and ended at @ against @: not distinguishable at @ seeds",
             steps[0] / steps[1], *(float(np.mean(list(t.values()))) for t in secs[:2]),
             *(float(np.mean(list(t.values()))) for t in final[:2]), len(seeds_))
+
+
+def test_two_grpo_md_gives_its_shares_of_16_grpo():
+    """two_grpo.md: 2-GRPO's final test accuracy, rollouts and training seconds over the run as
+    shares of 16-GRPO's (the paper's axis), seed by seed, from the kept pairs."""
+    runs = kept_runs()
+    seeds_ = pair_seeds("two_grpo")
+    assert seeds_, "no 2-GRPO pair kept"
+    on = [runs[f"paired two_grpo {s}"] for s in seeds_]
+    off = [runs[f"ablation two_grpo {s}"] for s in seeds_]
+    shares = {"final test accuracy": [a["test"] / b["test"] for a, b in zip(on, off)],
+              "rollouts over the run": [a["curve"][-1][3] / b["curve"][-1][3]
+                                        for a, b in zip(on, off)],
+              "training time over the run": [a["curve"][-1][2] / b["curve"][-1][2]
+                                             for a, b in zip(on, off)]}
+    for name, values in shares.items():
+        cells = " / ".join("@%" for _ in values)
+        printed("two_grpo.md", f"{name} @% ({cells})", 100 * float(np.mean(values)),
+                *(100 * v for v in values))
+    best = [[max(p[1] for p in r["curve"]) for r in side] for side in (on, off)]
+    peaks = [max(r["curve"], key=lambda p: p[1])[0] for r in off]
+    last = [r["curve"][-1][1] for r in off]
+    cells = " / ".join("@" for _ in seeds_)
+    printed("two_grpo.md", f"The best validation accuracy of each run: 2-GRPO @ ({cells}), 16-GRPO "
+            f"@ ({cells}), at steps {cells} of its 640; at its last evaluation 16-GRPO stood at @ "
+            f"({cells})", float(np.mean(best[0])), *best[0], float(np.mean(best[1])), *best[1],
+            *peaks, float(np.mean(last)), *last)
