@@ -954,3 +954,23 @@ def test_two_grpo_md_gives_its_shares_of_16_grpo():
             f"@ ({cells}), at steps {cells} of its 640; at its last evaluation 16-GRPO stood at @ "
             f"({cells})", float(np.mean(best[0])), *best[0], float(np.mean(best[1])), *best[1],
             *peaks, float(np.mean(last)), *last)
+    # the page's and README's summary of the same pairs
+    verdicts = {name: (mine, base, word) for name, mine, base, _, word in pair_verdicts("two_grpo")}
+
+    def means(name):
+        return [float(np.mean(list(t.values()))) for t in verdicts[name][:2]]
+    steps, secs = means(f"steps to {TARGET}"), means(f"training s to {TARGET}")
+    final = means("final test accuracy")
+    time_share = 100 * float(np.mean(shares["training time over the run"]))
+    printed("two_grpo.md", "of 16-GRPO's rollouts and @ % of its training time over the run, "
+            "reached 0.85 on the validation split after @ steps and @ s against @ steps and @ s",
+            time_share, steps[0], secs[0], steps[1], secs[1])
+    printed("two_grpo.md", "ended at a test accuracy of @ against @ (@ % of it;", *final,
+            100 * float(np.mean(shares["final test accuracy"])))
+    printed("two_grpo.md", "at their best on the validation split the two were close (@ against @, "
+            "the means", float(np.mean(best[0])), float(np.mean(best[1])))
+    word = verdicts[f"training s to {TARGET}"][2]
+    printed("../README.md", f"it used 12.5 % of the rollouts and @ % of the training time, reached "
+            f"0.85 after @ s against @ s ({word}) and ended at @ against @",
+            time_share, *secs, *final)
+    assert verdicts["final test accuracy"][2] in doc("../README.md")
