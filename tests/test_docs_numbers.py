@@ -912,6 +912,8 @@ def test_dppo_md_quotes_its_pairs_steps():
              for part in ("paired", "learning")]
     printed("dppo.md", "(DPPO's median step @–@ s against @–@ s)", min(steps[0]), max(steps[0]),
             min(steps[1]), max(steps[1]))
+    printed("results.md", "(DPPO's median step @–@ s there against @–@ s in its learning runs)",
+            min(steps[0]), max(steps[0]), min(steps[1]), max(steps[1]))
     printed("dppo.md", "comparison, DPPO's step was @× as long", on["step_s"] / off["step_s"])
 
 
