@@ -68,8 +68,11 @@ EQUAL_TIME = "validation accuracy at equal time"  # against the ablation: run_me
 # each paper's comparator, the method's own recipe with the method off: {method: (script, flags
 # after the learning ones)}, run on chains. CPPO (docs/cppo.md): nothing pruned, so no allocation
 # either: the paper's GRPO row (P 0, G 16, its B questions a step), with CPPO's warm-up (16
-# optimiser steps) and a cosine over the 640 steps that would see CPPO's 10 passes, ended at 946
-# training s, CPPO's median over its six default runs of 2026-11-26; DPPO (docs/dppo.md): nothing
+# optimiser steps) and a cosine over the 640 steps that would see CPPO's 10 passes, ended at 552
+# training s, CPPO's own default run on the VM that made the pairs (seed 0's paired run of
+# 2026-11-28), so that both end at about the same training time (the whole 640 steps would take
+# several times that); 946 s, CPPO's median on the slower VM of 2026-11-26, was the first choice and
+# gave the ablation 1.7x CPPO's time on the faster one); DPPO (docs/dppo.md): nothing
 # pruned; 2-GRPO (docs/two_grpo.md): 16-GRPO at 2-GRPO's 128 rollouts a step over the same 5,120
 # prompts (64 x 80 steps) with 2-GRPO's beta 0, clip-higher and warm-up: the paper's comparator.
 # MMR-GRPO has none: grpo.py's defaults are its own without the MMR step (docs/mmr_grpo.md), so
@@ -77,7 +80,7 @@ EQUAL_TIME = "validation accuracy at equal time"  # against the ablation: run_me
 # made again just before it (part "paired", seed by seed), not with its learning run: those are
 # kept from other days, on VMs of other speeds
 ABLATIONS = {
-    "cppo": ("cppo", "--pruning 0 --steps 640 --warmup_steps 16 --time_budget 946 --eval_every 9"),
+    "cppo": ("cppo", "--pruning 0 --steps 640 --warmup_steps 16 --time_budget 552 --eval_every 9"),
     "dppo": ("dppo", "--prune_prompts 0 --prune_completions 0"),
     "two_grpo": ("grpo", "--group_size 16 --prompts_per_step 8 --steps 640 --beta 0 "
                          "--eps_high 0.28 --warmup_steps 10 --eval_every 12")}

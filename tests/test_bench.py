@@ -292,7 +292,7 @@ def test_the_ablation_runs_flags_and_folders(tmp_path, monkeypatch):
     target come from the run's metrics.jsonl."""
     import bench
     want = {"cppo": ("cppo", ["--pruning", "0", "--steps", "640", "--warmup_steps", "16",
-                              "--time_budget", "946", "--eval_every", "9"]),
+                              "--time_budget", "552", "--eval_every", "9"]),
             "dppo": ("dppo", ["--prune_prompts", "0", "--prune_completions", "0"]),
             "two_grpo": ("grpo", ["--group_size", "16", "--prompts_per_step", "8", "--steps",
                                   "640", "--beta", "0", "--eps_high", "0.28", "--warmup_steps",
