@@ -71,8 +71,8 @@ EQUAL_TIME = "validation accuracy at equal time"  # against the ablation: run_me
 # optimiser steps) and a cosine over the 640 steps that would see CPPO's 10 passes, ended at 552
 # training s, CPPO's own default run on the VM that made the pairs (seed 0's paired run of
 # 2026-11-28), so that both end at about the same training time (the whole 640 steps would take
-# several times that); 946 s, CPPO's median on the slower VM of 2026-11-26, was the first choice and
-# gave the ablation 1.7x CPPO's time on the faster one); DPPO (docs/dppo.md): nothing
+# about three times that); 946 s, CPPO's median on the slower VM of 2026-11-26, was the first
+# choice and gave the ablation 1.7x CPPO's time on the faster one; DPPO (docs/dppo.md): nothing
 # pruned; 2-GRPO (docs/two_grpo.md): 16-GRPO at 2-GRPO's 128 rollouts a step over the same 5,120
 # prompts (64 x 80 steps) with 2-GRPO's beta 0, clip-higher and warm-up: the paper's comparator.
 # MMR-GRPO has none: grpo.py's defaults are its own without the MMR step (docs/mmr_grpo.md), so

@@ -960,6 +960,10 @@ def test_cppo_md_and_readme_quote_cppos_pairs():
     step = [median(side, "step_s") for side in (on, off)]
     printed("cppo.md", "CPPO's median step was @ s against @ s (@× as long", *step,
             step[0] / step[1])
+    steps_on = [r["phases"]["step_s"] for r in on]
+    learned = [runs[f"learning cppo {s}"]["phases"]["step_s"] for s in seeds()]
+    printed("cppo.md", "(CPPO's median step @–@ s against @–@ s)", min(steps_on), max(steps_on),
+            min(learned), max(learned))
     verdicts = {name: (mine, base, word) for name, mine, base, _, word in pair_verdicts("cppo")}
 
     def means(name):
