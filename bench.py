@@ -65,30 +65,39 @@ TARGETS = {"toy": 0.95, "chains": 0.85}  # timed accuracy (validation split)
 BUDGET_S = {"chains": 201}
 MIN_SEEDS = 6  # the decision rule's least number of paired seeds (docs/results.md#rule)
 EQUAL_TIME = "validation accuracy at equal time"  # against the ablation: run_metrics' `other`
-# each paper's comparator, the method's own recipe with the method off: {method: (script, flags
-# after the learning ones)}, run on chains. CPPO (docs/cppo.md): nothing pruned, so no allocation
-# either: the paper's GRPO row (P 0, G 16, its B questions a step), with CPPO's warm-up (16
-# optimiser steps) and a cosine over the 640 steps that would see CPPO's 10 passes, ended at 552
-# training s, CPPO's own default run on the VM that made the pairs (seed 0's paired run of
-# 2026-11-28), so that both end at about the same training time (the whole 640 steps would take
-# about three times that); 946 s, CPPO's median on the slower VM of 2026-11-26, was the first
-# choice and gave the ablation 1.7x CPPO's time on the faster one; DPPO (docs/dppo.md): nothing
-# pruned; 2-GRPO (docs/two_grpo.md): 16-GRPO at 2-GRPO's 128 rollouts a step over the same 5,120
-# prompts (64 x 80 steps) with 2-GRPO's beta 0, clip-higher and warm-up: the paper's comparator.
-# MMR-GRPO has none: grpo.py's defaults are its own without the MMR step (docs/mmr_grpo.md), so
-# GRPO's default runs are its comparator. Each ablation pairs with the method's default command
-# made again just before it (part "paired", seed by seed), not with its learning run: those are
-# kept from other days, on VMs of other speeds
+# each paper's comparator, the method's own recipe with the method off, run to the same work (the
+# same questions and passes): {method: (script, flags after the learning ones)}, run on chains.
+# CPPO (docs/cppo.md): nothing pruned, so no allocation either: the paper's GRPO row (P 0, G 16,
+# its B = 8 questions a step) over the same 5,120 questions (640 steps), with CPPO's warm-up (16
+# optimiser steps) and its cosine over them, to the end (no time budget); DPPO (docs/dppo.md):
+# nothing pruned; 2-GRPO (docs/two_grpo.md): 16-GRPO at 2-GRPO's 128 rollouts a step over the same
+# 5,120 prompts (8 x 640 steps), with 2-GRPO's beta 0, clip-higher and warm-up, at 1/8 of its
+# learning rate (the paper's 1e-6 against 8e-6: the linear rule for 8x the prompts); MMR-GRPO
+# (docs/mmr_grpo.md): grpo.py at the same flags, the MMR step off. Each ablation pairs with the
+# method's default command made again just before it (part "paired", seed by seed), not with its
+# learning run: those are kept from other days, on VMs of other speeds
 ABLATIONS = {
-    "cppo": ("cppo", "--pruning 0 --steps 640 --warmup_steps 16 --time_budget 552 --eval_every 9"),
+    "cppo": ("cppo", "--pruning 0 --steps 640 --warmup_steps 16 --eval_every 9"),
     "dppo": ("dppo", "--prune_prompts 0 --prune_completions 0"),
-    "two_grpo": ("grpo", "--group_size 16 --prompts_per_step 8 --steps 640 --beta 0 "
-                         "--eps_high 0.28 --warmup_steps 10 --eval_every 12")}
+    "two_grpo": ("grpo", "--group_size 16 --prompts_per_step 8 --steps 640 --lr 3.75e-5 "
+                         "--beta 0 --eps_high 0.28 --warmup_steps 10 --eval_every 12"),
+    "mmr_grpo": ("grpo", "")}
+# Each paper's one primary claim, fixed before its runs (2026-11-28, docs/results.md#primary):
+# {method: (the metric on the paper's axis, which must fall, method against ablation; the accuracy
+# that must be kept, non-inferior within MARGIN)}, judged family-wise over the four (Holm)
+PRIMARY = {"cppo": ("training s, whole run", "final test accuracy"),
+           "two_grpo": ("training s, whole run", "final test accuracy"),
+           "dppo": ("training s, whole run", "final test accuracy"),
+           "mmr_grpo": ("steps to peak", "best validation accuracy")}
+MARGIN = 0.02  # non-inferiority: method - ablation > -0.02, by the interval's lower end
+ALPHA = 0.05  # one-sided, family-wise over PRIMARY (the two-sided 90 % intervals' 5 % a side)
 # {(task, method, part): --eval_every} where the task's own would leave the curve too coarse: CPPO's
 # chains steps take 12-16 training s, so every 10 steps left 118 s between evaluations and its time
 # to 0.85 unresolved (the others' 10 steps take <= 40 s). Only its paired runs (below): its learning
-# runs keep every 10, so that their kept summaries stay valid
-EVAL_EVERY = {("chains", "cppo", "paired"): 2}
+# runs keep every 10, so that their kept summaries stay valid. MMR-GRPO's pair every 5, so that the
+# step of the peak (its paper's axis) is resolved to 5 of the 80 steps, in both runs alike
+EVAL_EVERY = {("chains", "cppo", "paired"): 2, ("chains", "mmr_grpo", "paired"): 5,
+              ("chains", "mmr_grpo", "ablation"): 5}
 
 
 # 1. The training update: packed vs padded
