@@ -5,11 +5,12 @@ Parts (--parts): step, one training update right-padded, packed (common.policy_u
 with each group's prompt once, in completion tokens/s (GPU: also memory, MFU), on a model built
 from a config (--shape) over a length mix (--lengths); breakdown, a few steps of each method at
 matched settings by the phases each script logs, as ratios to GRPO; learning, each method's default
-command per task and seed, and on chains also ended at an equal training budget: validation
-accuracy against steps and wall-clock, test accuracy at the end, each method against GRPO by the
-decision rule. These two run the scripts and read what they write; a run whose flags match a
+command per task and seed, and on chains each method against its own recipe with the method off
+(ABLATIONS) in seed pairs: validation accuracy against steps and wall-clock, test accuracy at the
+end, each paper's primary claim by the rule of docs/results.md#primary, the rest as estimates.
+These two run the scripts and read what they write; a run whose flags match a
 summary kept in docs/results/runs-<task>.json is not run again. The report's prose is in
-bench_report.md, which this file fills in.
+docs/bench_report.md, which this file fills in.
 
     python bench.py --quick     # a smoke run: the toy only, into runs/bench-<time>/ (not docs/)
     python bench.py             # the full run: both tasks, 6 seeds, reusing the kept runs
@@ -39,6 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 from common import (DATASETS, RECIPE, REPO, HFEngine, Passes, Sample, chunked_logprobs, die,
                     load_dataset, load_model, load_tokenizer, policy_update, prompt_token_ids,
                     take_prompts, token_coefficients)
+from grpo import prompt
 
 plt.switch_backend("Agg")  # the plots go to files only
 
@@ -61,8 +63,6 @@ SHARED = ["rollout_s", "reward_s", "logp_s", "update_s", "push_s", "step_s", "to
 # in step order, as the breakdown table's columns in bench_report.md
 PHASES = [*SHARED[:4], "overhead_s", "other_s"]
 TARGETS = {"toy": 0.95, "chains": 0.85}  # timed accuracy (validation split)
-# equal training seconds: GRPO's median default run when the kept budget runs were made
-BUDGET_S = {"chains": 201}
 MIN_SEEDS = 6  # the decision rule's least number of paired seeds (docs/results.md#rule)
 EQUAL_TIME = "validation accuracy at equal time"  # against the ablation: run_metrics' `other`
 # each paper's comparator, the method's own recipe with the method off, run to the same work (the
@@ -117,7 +117,7 @@ def model_lengths(dataset, n, group, seed=0):
     tokenizer = load_tokenizer(task["model"])
     model = load_model(task["model"], DEVICE)
     train = load_dataset(dataset, 1)[0]  # as the scripts load it
-    rows = prompt_token_ids(tokenizer, train, task["template"], 10**9)
+    rows = prompt_token_ids(tokenizer, train, prompt, task["template"], 10**9)  # grpo.py's
     prompts = [rows[i]["prompt_ids"] for i in take_prompts(len(rows), 0, -(-n // group), seed)]
     # sampled as the scripts' fallback
     engine = HFEngine(model, tokenizer, len(tokenizer), [tokenizer.eos_token_id])
@@ -297,10 +297,10 @@ def task_name(dataset):  # chains, or the last part of a dataset's path
     return os.path.basename(dataset.rstrip("/"))
 
 
-def script_flags(args, part, dataset, method, seed, budget=None, extend=False):
+def script_flags(args, part, dataset, method, seed):
     """Learning: the default command (+ overrides); paired: the same, made again beside its
-    ablation (EVAL_EVERY's --eval_every where none is given); budget: that ended at `budget`
-    training s, --steps raised if `extend`; ablation: the learning flags followed by ABLATIONS'.
+    ablation (EVAL_EVERY's --eval_every where none is given); ablation: the learning flags
+    followed by ABLATIONS'.
     Breakdown: Q questions x G completions a step each (2-GRPO Q G / 2 pairs; CPPO the B its
     allocation turns into Q, docs/cppo.md#eq-allocation)."""
     flags = ["--dataset", dataset, "--rollout", args.rollout]
@@ -308,7 +308,7 @@ def script_flags(args, part, dataset, method, seed, budget=None, extend=False):
         flags += ["--model", args.model]
     if part != "breakdown":
         flags += ["--seed", str(seed)]
-        # the learning, budget and ablation runs keep the task's own
+        # the learning and ablation runs keep the task's own
         every = args.eval_every or EVAL_EVERY.get((task_name(dataset), method, part))
         given = (("eval_every", every), ("steps", args.learn_steps), ("eval_n", args.eval_n))
         for name, value in given:
@@ -316,10 +316,6 @@ def script_flags(args, part, dataset, method, seed, budget=None, extend=False):
                 flags += [f"--{name}", str(value)]
         if part == "ablation":
             flags += ABLATIONS[method][1].split()
-        if part == "budget":
-            flags += ["--time_budget", f"{budget:g}"]
-            if extend:  # its learning rate does not decay over --steps
-                flags += ["--steps", "1000"]
         return flags
     prompts = args.questions
     group = args.group
@@ -366,7 +362,7 @@ def run_script(args, runs, job, flags, kept):
     rows = read(metrics)
     config = read(os.path.join(out, "config.json"))
     kept[key] = {"flags": flags, "engine": config["engine"], "machine": machine(),
-                 "schedule": config["args"]["lr_schedule"],
+                 "group": config["args"]["group_size"],
                  "date": time.strftime("%Y-%m-%d", time.localtime(os.path.getmtime(metrics))),
                  "ideal": config["ideal_trained_fraction"],
                  "questions": config.get("questions_per_step"), "curve": curve(rows),
@@ -376,9 +372,8 @@ def run_script(args, runs, job, flags, kept):
 
 def run_scripts(args, runs):
     """{(part, dataset, method, seed): summary} and {runs-<task>.json: summaries}: the runs of
-    docs/results/runs-<dataset>.json with the same flags are reused, the rest run and added; the
-    equal-budget runs after the learning ones (their flags need GRPO's median training seconds, or
-    --budget_s), then seed by seed each paired run and its ablation (ABLATIONS: on chains, not
+    docs/results/runs-<dataset>.json with the same flags are reused, the rest run and added; after
+    the learning runs, seed by seed each paired run and its ablation (ABLATIONS: on chains, not
     with --quick)."""
     results = {}
     kept = {}
@@ -391,38 +386,24 @@ def run_scripts(args, runs):
         jobs = []
         if "breakdown" in args.parts:
             jobs += [("breakdown", d, m, 0) for m in args.methods]
-        if "learning" in args.parts:  # the equal-budget runs' flags need GRPO's learning runs
+        if "learning" in args.parts:
             # then the ablations seed by seed, each after its pair, the method's default command
             # made again: one after the other, so that the machine's drift between sittings
             # (another day, another VM) stays out of the pair
-            for parts in (["learning"], ["budget"], ["paired", "ablation"]):
+            for parts in (["learning"], ["paired", "ablation"]):
                 jobs += [(part, d, m, s) for s in args.seeds for m in args.methods
                          for part in parts]
         bar = tqdm(jobs, desc=f"bench: {d} scripts", dynamic_ncols=True)
         for job in bar:
             part, _, method, seed = job
-            budget = budget_seconds(args, d, results)
-            if part == "budget" and (method == "grpo" or not budget):  # its default run is one
-                continue
             # on chains only, the methods that have one; --quick: none
             if part in ("paired", "ablation") and (task_name(d) != "chains" or args.quick
                                                    or method not in ABLATIONS):
                 continue
             bar.set_postfix_str(f"{part} {method} {seed}")
-            learned = results.get(("learning", d, method, seed), {})
-            flags = script_flags(args, *job, budget, learned.get("schedule") != "cosine")
+            flags = script_flags(args, *job)
             results[job] = run_script(args, runs, job, flags, kept[name])
     return results, kept
-
-
-def budget_seconds(args, dataset, results):
-    """The equal training budget: --budget_s, else BUDGET_S's for the task, else GRPO's median;
-    None: none."""
-    grpo = [results.get(("learning", dataset, "grpo", s)) for s in args.seeds]
-    if args.budget_s == 0 or None in grpo:
-        return None
-    median = round(np.median([g["curve"][-1][2] for g in grpo]))
-    return args.budget_s or BUDGET_S.get(dataset) or median
 
 
 def step_phases(rows):
@@ -482,7 +463,7 @@ def report_blocks(path):
         return dict(re.findall(r"^<!-- (\w+) -->\n(.*?)\n*(?=^<!-- |\Z)", f.read(), re.M | re.S))
 
 
-REPORT = report_blocks(os.path.join(REPO, "bench_report.md"))
+REPORT = report_blocks(os.path.join(REPO, "docs", "bench_report.md"))
 
 
 def fill(block, **values):
@@ -519,14 +500,17 @@ def breakdown_section(args, dataset, number, results):
     return report + [""]
 
 
-def verdict(values, base, up, down, spec):
-    """The decision rule (docs/results.md#rule) on values and base, seed by seed (NaN: none), as a
-    table cell: over the seeds both have, the mean of value - base, its 90 % paired-bootstrap
-    interval (10,000 resamples of the seeds, numpy seed 0) and its 90 % paired t-interval, mean +-
-    t_(0.95, n-1) sd / sqrt(n); named `up` or `down` (for the method) only with >= MIN_SEEDS pairs
-    and both intervals on that side of 0; '-': no pair."""
+def paired(values, base):
+    """The paired differences values - base over the seeds both have (NaN: none)."""
     d = np.subtract(values, base, dtype=float)
-    d = d[~np.isnan(d)]
+    return d[~np.isnan(d)]
+
+
+def estimate(values, base, spec):
+    """A table cell: the mean of values - base over the paired seeds, its 90 % paired-bootstrap
+    interval (10,000 resamples of the seeds, numpy seed 0) and its 90 % paired t-interval, mean +-
+    t_(0.95, n-1) sd / sqrt(n); an estimate, no verdict; '-': no pair."""
+    d = paired(values, base)
     n = len(d)
     if not n:
         return "-"
@@ -534,44 +518,81 @@ def verdict(values, base, up, down, spec):
     low, high = np.percentile(means, [5, 95])
     half = scipy.stats.t.ppf(0.95, n - 1) * d.std(ddof=1) / np.sqrt(n) if n > 1 else np.nan
     diff = d.mean()
-    word = f"not distinguishable at {n} seeds"
-    if n >= MIN_SEEDS and low > 0 and diff - half > 0:
-        word = up
-    if n >= MIN_SEEDS and high < 0 and diff + half < 0:
-        word = down
     return (f"{diff:+{spec}} [{low:+{spec}}, {high:+{spec}}], t [{diff - half:+{spec}}, "
-            f"{diff + half:+{spec}}]: {word}")
+            f"{diff + half:+{spec}}]")
 
 
-def metric_kind(metric):
-    """(the verdict's word for method - base > 0, for < 0, the number format) of `metric`:
-    accuracies to 3 decimals, counts and seconds whole."""
-    if "accuracy" in metric:
-        return "more accurate", "less accurate", ".3f"
-    if metric.startswith("training s"):
-        return "slower", "faster", ",.0f"
-    unit = metric.split(" to ")[0]  # steps, rollouts, generated tokens
-    return f"more {unit}", f"fewer {unit}", ",.0f"
+def p_below(d, bound):
+    """The one-sided p that the mean of the paired differences d is not below `bound`: the larger
+    of the paired t-test's and the paired bootstrap's (the share of 10,000 resampled means at or
+    above it, numpy seed 0). docs/results.md#primary"""
+    if len(d) < 2:
+        return 1.0
+    means = np.random.default_rng(0).choice(d, (10000, len(d))).mean(axis=1)
+    if d.std() == 0:  # every seed alike: the t-test's p is 0 or 1
+        t_p = float(d.mean() >= bound)
+    else:
+        t_p = scipy.stats.ttest_1samp(d, bound, alternative="less").pvalue
+    return max(t_p, np.mean(means >= bound))
+
+
+def holm(p, alpha=ALPHA):
+    """{name: passed} of Holm's step-down procedure over the family {name: p}: the k-th smallest p
+    (k from 0) against alpha / (m - k), m the family's size; after the first that fails, none
+    passes. docs/results.md#primary"""
+    passed = {}
+    failed = False
+    for k, name in enumerate(sorted(p, key=p.get)):
+        failed = failed or p[name] > alpha / (len(p) - k)
+        passed[name] = not failed
+    return passed
+
+
+def primary_claims(tables):
+    """{method: (p of its primary metric's fall, p of its accuracy's non-inferiority, n pairs,
+    passed)}: PRIMARY's claims from the paired runs' `tables`, judged together by holm (a method
+    without MIN_SEEDS pairs: p = 1, never passed). docs/results.md#primary"""
+    found = {}
+    for m, (metric, accuracy) in PRIMARY.items():
+        on = tables.get(f"{m} paired", {})
+        off = tables.get(f"{m} ablation", {})
+        fall = paired(on.get(metric, []), off.get(metric, []))
+        kept = paired(on.get(accuracy, []), off.get(accuracy, []))  # method - ablation
+        n = min(len(fall), len(kept))
+        found[m] = (p_below(fall, 0.0), p_below(-kept, MARGIN), n)
+    p = {m: max(p1, p2) if n >= MIN_SEEDS else 1.0 for m, (p1, p2, n) in found.items()}
+    passed = holm(p)
+    return {m: (*found[m], passed[m]) for m in found}
+
+
+def spec(metric):
+    """A metric's number format: accuracies to 3 decimals, counts and seconds whole."""
+    return ".3f" if "accuracy" in metric else ",.0f"
 
 
 def run_metrics(runs, target, other=None):
-    """{metric: [each seed's value]} of runs, a summary per seed: test accuracy at the end, best
-    validation accuracy, steps, training s, rollouts and generated tokens to `target`, training s
-    and rollouts of the whole run; with `other`, the paired runs, the validation accuracy at the
-    last evaluation by the sooner end of the two. NaN: not reached, or tokens in a summary kept
-    before they were counted."""
+    """{metric: [each seed's value]} of runs, a summary per seed (None: not run): test accuracy at
+    the end, best validation accuracy and the step of its first evaluation (steps to peak), steps,
+    questions seen, training s, rollouts and generated tokens to `target`, training s and rollouts
+    of the whole run; with `other`, the paired runs, the validation accuracy at the last evaluation
+    by the sooner end of the two. NaN: not reached, not run, or tokens in a summary kept before
+    they were counted."""
     metrics = {}
     for i, run in enumerate(runs):
-        points = run["curve"]
+        points = run["curve"] if run else [[np.nan] * 5]
+        best = max(p[1] for p in points)
         hit = [*(first_reaching(points, target) or [np.nan] * 4), np.nan]
-        values = {"final test accuracy": run["test"],
-                  "best validation accuracy": max(p[1] for p in points),
-                  f"steps to {target}": hit[0], f"training s to {target}": hit[2],
-                  f"rollouts to {target}": hit[3], f"generated tokens to {target}": hit[4],
-                  "training s, whole run": points[-1][2], "rollouts, whole run": points[-1][3]}
+        group = run.get("group", np.nan) if run else np.nan  # G: rollouts per question
+        values = {"final test accuracy": run["test"] if run else np.nan,
+                  "best validation accuracy": best,
+                  "steps to peak": next(p[0] for p in points if p[1] == best or np.isnan(best)),
+                  f"steps to {target}": hit[0], f"questions to {target}": hit[3] / group,
+                  f"training s to {target}": hit[2], f"rollouts to {target}": hit[3],
+                  f"generated tokens to {target}": hit[4], "training s, whole run": points[-1][2],
+                  "rollouts, whole run": points[-1][3]}
         if other:
-            end = min(points[-1][2], other[i]["curve"][-1][2])
-            values[EQUAL_TIME] = [p[1] for p in points if p[2] <= end][-1]
+            end = min(points[-1][2], other[i]["curve"][-1][2] if other[i] else np.nan)
+            values[EQUAL_TIME] = ([np.nan] + [p[1] for p in points if p[2] <= end])[-1]
         for name, value in values.items():
             metrics.setdefault(name, []).append(value)
     return metrics
@@ -610,18 +631,16 @@ def seed_row(label, values, spec):
 
 def learning_section(args, dataset, number, results, figures):
     """Section `number`: the curves (into `figures`), each metric per seed of each method, paired
-    run and ablation, then by the decision rule each method against GRPO (the recipes) and its
-    paired run against its ablation, and 2-GRPO's shares of 16-GRPO's."""
+    run and ablation; each paper's primary claim by the rule (docs/results.md#primary); then, as
+    estimates, each method against GRPO (the recipes) and its paired run against its ablation,
+    and 2-GRPO's shares of 16-GRPO's."""
     t = args.target or TARGETS.get(dataset, 0.5)
-    budget = budget_seconds(args, dataset, results)
 
-    def seeds(part, method):  # its runs, seed by seed
-        return [results[part, dataset, method, s] for s in args.seeds]
+    def seeds(part, method):  # its runs, seed by seed (None: not run)
+        return [results.get((part, dataset, method, s)) for s in args.seeds]
 
     runs = {m: seeds("learning", m) for m in args.methods}
-    # the ablations run
-    offs = {m: seeds("ablation", m) for m in args.methods
-            if ("ablation", dataset, m, args.seeds[0]) in results}
+    offs = {m: seeds("ablation", m) for m in args.methods if any(seeds("ablation", m))}
     figures[f"learning-{dataset}.png"] = learning_figure(runs, t)
     tables = {m: run_metrics(runs[m], t) for m in runs}
     for m in offs:
@@ -629,43 +648,48 @@ def learning_section(args, dataset, number, results, figures):
         tables[f"{m} paired"] = run_metrics(ons, t, offs[m])
         tables[f"{m} ablation"] = run_metrics(offs[m], t, ons)
     recipes = ["final test accuracy", f"steps to {t}", f"training s to {t}"]
-    if budget:
-        recipes.append(f"test accuracy at {budget} s")
-        for m in args.methods:
-            ended = runs[m] if m == "grpo" else seeds("budget", m)  # GRPO's: its default runs
-            tables[m][recipes[-1]] = [run["test"] for run in ended]
     flags = runs[args.methods[0]][0]["flags"]
     columns = dict(seed_columns=" | ".join(f"seed {s}" for s in args.seeds),
                    seed_rules="---|" * len(args.seeds))
     report = [fill("learning", number=number, dataset=dataset, flags=" ".join(flags), target=t,
-                   budget=fill("learning_budget", budget=budget) if budget else "", **columns)]
+                   **columns)]
     for row, table in tables.items():
         for name, values in table.items():
-            report.append(seed_row(f"{row} | {name}", values, metric_kind(name)[2]))
-    ablations = [f"{name} to {t}" for name in ("steps", "training s", "rollouts",
+            report.append(seed_row(f"{row} | {name}", values, spec(name)))
+    if offs:
+        report += ["", fill("learning_primary", min_seeds=MIN_SEEDS)]
+    for m, (p_fall, p_kept, n, passed) in primary_claims(tables).items():
+        if m not in offs:
+            continue
+        on = tables[f"{m} paired"]
+        off = tables[f"{m} ablation"]
+        metric, accuracy = PRIMARY[m]
+        ratio = np.nanmean(on[metric]) / np.nanmean(off[metric])  # an estimate
+        word = "holds here" if passed else f"not shown at {n} seeds"
+        if n < MIN_SEEDS:
+            word = f"no verdict: {n} of {MIN_SEEDS} pairs"
+        report.append(f"| {m} | {metric}: {estimate(on[metric], off[metric], spec(metric))}; "
+                      f"{ratio:.2f}x | {accuracy}: {estimate(on[accuracy], off[accuracy], '.3f')}"
+                      f" | {p_fall:.2g} | {p_kept:.2g} | {word} |")
+    ablations = [f"{name} to {t}" for name in ("questions", "training s", "rollouts",
                                                 "generated tokens")]
-    ablations += [EQUAL_TIME, "final test accuracy"]
+    ablations += [EQUAL_TIME, "final test accuracy", "best validation accuracy", "steps to peak",
+                  "training s, whole run"]
     against = {"learning_verdicts": (recipes, [(m, "grpo") for m in args.methods
                                                if "grpo" in runs and m != "grpo"]),
                "learning_ablations": (ablations, [(f"{m} paired", f"{m} ablation")
                                                   for m in offs])}
-    count = 0  # the verdicts the section gives
     for block, (names, pairs) in against.items():
         if pairs:
             report += ["", fill(block, metrics=" | ".join(names), metric_rules="---|" * len(names))]
-            count += len(pairs) * len(names)
         for row, base in pairs:
-            cells = [verdict(tables[row][n], tables[base][n], *metric_kind(n)) for n in names]
+            cells = [estimate(tables[row][n], tables[base][n], spec(n)) for n in names]
             report.append(f"| {row} | {' | '.join(cells)} |")
     if "two_grpo" in offs:
         report += ["", fill("learning_two_grpo", **columns)]
         for name in ("final test accuracy", "rollouts, whole run", "training s, whole run"):
-            shares = [a / b for a, b in zip(tables["two_grpo paired"][name],
-                                            tables["two_grpo ablation"][name])]
+            shares = np.divide(tables["two_grpo paired"][name], tables["two_grpo ablation"][name])
             report.append(seed_row(name, shares, ".1%"))
-    if count:
-        report += ["", fill("learning_rule", min_seeds=MIN_SEEDS, comparisons=count,
-                            chance=count / 10)]
     return report + [""]
 
 
@@ -734,7 +758,7 @@ def parse():
       help="which parts to run (default: all three)")
     a("--quick", action="store_true",
       help="a smoke run: the toy task and length mix, budgets 512 4096 on CPU, 1 repeat, a 3-step "
-      "breakdown, 10-step curves on 100 problems, seed 0, no budget runs (given flags win)")
+      "breakdown, 10-step curves on 100 problems, seed 0 (given flags win)")
     a("--out", help="where results.md and results/*.png go (default: docs/ for all three parts "
       "without --quick, else runs/bench-<time>/, so a partial or quick run leaves the committed "
       "report alone)")
@@ -775,26 +799,27 @@ def parse():
       help="learning: validation every N steps (default: the scripts' own)")
     a("--eval_n", type=count,
       help="learning: validation and test problems (default: the scripts' own; --quick 100)")
-    a("--budget_s", type=float,
-      help="learning: the equal training budget, s, of the budget runs (default: "
-      f"{', '.join(f'{d} {t}' for d, t in BUDGET_S.items())}, otherwise GRPO's median; "
-      "0 or --quick: no such runs)")
     a("--target", type=float,
       help="learning: the accuracy whose first crossing is timed (default: "
       f"{', '.join(f'{d} {t}' for d, t in TARGETS.items())}, otherwise 0.5)")
     args = p.parse_args()
-    # (--quick, full) of what is not given
-    budgets = ([4096, 16384, 32768],) * 2 if CUDA else ([512, 4096], [512, 4096, 16384])
-    lengths = (["toy"], list(LENGTHS)) if args.shape == "toy" else (["gsm8k"],) * 2
+    # what is not given: --quick's settings, or the full run's
     out = f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
-    # only the full run replaces docs/results.md
-    full = os.path.join(REPO, "docs") if set(args.parts) == set(PARTS) else out
-    defaults = dict(repeats=(1, 3), breakdown_steps=(3, 11), seeds=([0], list(range(MIN_SEEDS))),
-                    budgets=budgets, lengths=lengths, out=(out, full), learn_steps=(10, None),
-                    eval_n=(100, None), budget_s=(0, None), datasets=(["toy"], ["toy", "chains"]))
-    for name, (quick, usual) in defaults.items():
+    lengths = ["gsm8k"]
+    if args.shape == "toy":
+        lengths = list(LENGTHS)
+    budgets = [512, 4096, 16384]
+    if CUDA:
+        budgets = [4096, 16384, 32768]
+    quick = dict(repeats=1, breakdown_steps=3, seeds=[0], budgets=budgets[:2], lengths=lengths[:1],
+                 out=out, learn_steps=10, eval_n=100, datasets=["toy"])
+    full = dict(repeats=3, breakdown_steps=11, seeds=list(range(MIN_SEEDS)), budgets=budgets,
+                lengths=lengths, out=out, datasets=["toy", "chains"])
+    if set(args.parts) == set(PARTS):  # only the full run replaces docs/results.md
+        full["out"] = os.path.join(REPO, "docs")
+    for name, value in (quick if args.quick else full).items():
         if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else usual)
+            setattr(args, name, value)
     if args.breakdown_steps < 2:
         die(f"--breakdown_steps must be at least 2: the first step is a warm-up (got "
             f"{args.breakdown_steps})")

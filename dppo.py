@@ -18,12 +18,31 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, finish_step,
-                    group_advantages, parse_args, policy_update, recipe_arg, rollout_seed, score,
-                    sequence_logprobs, setup, take_prompts, token_coefficients)
-from common import die
+from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die, finish_step,
+                    group_advantages, math_reward, parse_args, policy_update, recipe_arg,
+                    rollout_seed, score, sequence_logprobs, setup, take_prompts, template_messages,
+                    tied_groups, token_coefficients)
 
 METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
+
+
+# ==================================================================================================
+# YOUR TASK: what a completion earns, and how a question is asked. The one place to change for your
+# own data (README.md#your-own-task); a row is one line of your .jsonl, every column kept.
+# ==================================================================================================
+METRIC = "accuracy"  # the held-out mean of reward(): "accuracy" while it pays 1 right, 0 wrong
+
+
+def reward(completion, row):
+    """A float for one completion's decoded text: 1.0 when math-verify finds its final answer
+    equal to the row's gold (its 'answer' column), else 0.0."""
+    return math_reward(completion, row["gold"])
+
+
+def prompt(row, template):
+    """The chat messages that ask the row's question: --template's system prompt and user message
+    (common.TEMPLATES), or a list of {"role", "content"} of your own."""
+    return template_messages(template, row["question"])
 
 
 @dataclass
@@ -115,9 +134,10 @@ def candidate_window(stream, history, B, r_q, floor, cap):
 
 
 def update_history(history, rows, rewards):
-    """Per row index: did its last group tie (rewards [B', G])? docs/dppo.md#eq-prompt-keep"""
-    for i, r in zip(rows, rewards.tolist()):
-        history[int(i)] = len(set(r)) == 1  # plain ints: the table goes into state.pt
+    """Per row index: did its last group tie (rewards [B', G]; an answer left unread, NaN, ties
+    nothing)? docs/dppo.md#eq-prompt-keep"""
+    for i, tied in zip(rows, tied_groups(rewards).tolist()):
+        history[int(i)] = tied  # plain ints and bools: the table goes into state.pt
     return history
 
 
@@ -135,10 +155,16 @@ def completion_keep_probs(advantages, r_o, floor):
     nonzero = int((a > 0).sum())
     # raised if A != 0 are too few
     low = max(floor, min(1.0, (target - nonzero) / max(1, len(a) - nonzero)))
-    lo, hi = 0.0, (1 / a[a > 0].min().item() if nonzero else 1.0)  # at c = hi every A != 0 has pi 1
-    for _ in range(60):  # bisection: sum(pi) grows with c
+    lo = 0.0
+    hi = 1.0  # at c = hi every A != 0 has pi 1
+    if nonzero:
+        hi = 1 / a[a > 0].min().item()
+    for _ in range(60):  # bisection on c: sum(pi) grows with c
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if (mid * a).clamp(low, 1).sum() < target - 1e-9 else (lo, mid)
+        if (mid * a).clamp(low, 1).sum() < target - 1e-9:
+            lo = mid  # too few kept: c is larger
+        else:
+            hi = mid
     return (hi * a).clamp(low, 1)  # [n]
 
 
@@ -173,7 +199,10 @@ def window_pack(lengths, budget, window):
             continue
         bins.append([])
         load = 0
-        while fits := [i for i in pending[:window] if load + lengths[i] <= budget]:
+        while True:
+            fits = [i for i in pending[:window] if load + lengths[i] <= budget]
+            if not fits:
+                break
             i = max(fits, key=lengths.__getitem__)  # the longest that fits; ties go to the older
             bins[-1].append(i)
             load += lengths[i]
@@ -190,7 +219,8 @@ def main():
             f"{args.prune_prompts}, {args.prune_completions}, {args.keep_floor})")  # every pi > 0
     if not (args.window >= 1 and args.lookahead >= 1):
         die(f"--window and --lookahead must be at least 1 (got {args.window}, {args.lookahead})")
-    run = setup(args, METHOD, config={"ideal_trained_fraction": 1 - args.prune_completions})
+    run = setup(args, METHOD, reward, prompt, METRIC,
+                config={"ideal_trained_fraction": 1 - args.prune_completions})
     model = run.model
     engine = run.engine
     tokenizer = run.tokenizer
@@ -219,9 +249,9 @@ def main():
                                                    args.keep_floor, cap)
             cursor += len(examined)  # pruned prompts are skipped for this epoch
             kept_q = systematic_sample(prompt_pi, rng.random())  # docs/dppo.md#eq-draw
-            rows = [examined[k] for k in kept_q]
+            prompt_rows = [examined[k] for k in kept_q]  # indices into train_rows
             prompt_pi = [prompt_pi[k] for k in kept_q]
-            batch = [train_rows[i] for i in rows]
+            batch = [train_rows[i] for i in prompt_rows]
             outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature,
                                       args.max_tokens, seed=rollout_seed(args.seed, step))
             # outputs: per prompt, G (token ids, log-probs)
@@ -230,45 +260,48 @@ def main():
         with timer("reward"):
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
-            rewards, reward_counts = score(texts, [batch[k // G]["gold"]
-                                                   for k in range(len(texts))])
+            rows = [row for row in batch for _ in range(G)]  # each completion's dataset row
+            rewards, reward_counts = score(texts, rows, reward)  # NaN: left unread
             rewards = torch.tensor(rewards).view(-1, G)  # [B', G]
             advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [B', G]
-            samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(),
-                              advantages[q, i].item(), logps)
-                       for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]
-            update_history(history, rows, rewards)
+            samples = []  # every completion, with what the trainer needs of it
+            for q, group in enumerate(outputs):
+                for i, (ids, logps) in enumerate(group):
+                    sample = Sample(prompt_ids=batch[q]["prompt_ids"], completion_ids=ids,
+                                    reward=rewards[q, i].item(),
+                                    advantage=advantages[q, i].item(), sample_logps=logps)
+                    samples.append(sample)
+            update_history(history, prompt_rows, rewards)
             # completion pruning on the full groups' advantages, importance weights
             # (docs/dppo.md#eq-estimator)
             completion_pi = completion_keep_probs(advantages, args.prune_completions,
                                                   args.keep_floor).tolist()
             kept_o = systematic_sample(completion_pi, rng.random())
+            kept_o = [i for i in kept_o if not math.isnan(samples[i].reward)]  # unread: none
             coefs, weights = importance_coefficients([len(s.completion_ids) for s in samples],
                                                      prompt_pi, completion_pi, kept_o,
                                                      len(examined), args.loss_agg, args.max_tokens)
-            # the trainer sees the kept ones only
-            rolled, samples = samples, [samples[i] for i in kept_o]
-            for s, c in zip(samples, coefs.tolist()):
+            trained = [samples[i] for i in kept_o]  # the trainer sees the kept ones only
+            for s, c in zip(trained, coefs.tolist()):
                 s.coef = c
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
             if args.mu > 1:  # else on-policy: old = logp.detach()
-                for s, lp in zip(samples, sequence_logprobs(model, samples, passes)):
+                for s, lp in zip(trained, sequence_logprobs(model, trained, passes)):
                     s.old_logps = lp
             if run.ref_model is not None:  # beta = 0 loads no reference model
-                for s, lp in zip(samples, sequence_logprobs(run.ref_model, samples, passes)):
+                for s, lp in zip(trained, sequence_logprobs(run.ref_model, trained, passes)):
                     s.ref_logps = lp
         with timer("pack"):  # the update's micro-batches (docs/dppo.md#eq-density)
-            lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-            # a group together
-            bins = [sorted(b) for b in window_pack(lengths, args.token_budget, args.window)]
-        passes = run.passes._replace(pack=lambda *_: bins)  # the update packs as window_pack did
+            lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in trained]
+            bins = window_pack(lengths, args.token_budget, args.window)
+            bins = [sorted(b) for b in bins]  # each bin in stream order: a group side by side
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, samples, passes, beta=args.beta,
+                stats = policy_update(model, run.optimizer, trained, passes, beta=args.beta,
                                       clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
-                                      grad_clip=args.grad_clip)
+                                      grad_clip=args.grad_clip, micro_batches=bins)
                 run.scheduler.step()
 
         # 5. the engine samples the next step with the new weights
@@ -278,14 +311,14 @@ def main():
         # ---------------------------------------------------------------- log, evaluate, save
         row = {
             "step": step + 1,
-            **batch_metrics(rewards, rolled, run.stop_ids, reward_counts),
+            **batch_metrics(rewards, samples, run.stop_ids, reward_counts),
             **stats,
-            "rollouts": len(rolled),
-            "trained_rollouts": len(samples),
+            "rollouts": len(samples),
+            "trained_rollouts": len(trained),
             "lr": run.scheduler.get_last_lr()[0],
             "prompts_examined": len(examined),
             "prompt_keep_frac": len(batch) / len(examined),
-            "completion_keep_frac": len(samples) / len(rolled),
+            "completion_keep_frac": len(trained) / len(samples),
             "weight_mean": sum(weights) / max(1, len(weights)),
             "weight_max": max(weights, default=0.0),
             "pack_density": packing_density(lengths, bins, args.token_budget),
@@ -296,7 +329,7 @@ def main():
         if finish_step(run, bar, row, cursor, {"history": history}):
             break
     bar.close()
-    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) "
+    print(f"done: test {METRIC} {run.test_score:.3f} (validation {run.eval_score:.3f}) "
           f"after {run.steps} steps; metrics and checkpoint in {args.out}")
 
 

@@ -17,6 +17,7 @@ Run:
     python grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset gsm8k  # one 80 GB GPU with vLLM
     python grpo.py --resume runs/grpo-gsm8k-20261122-101500  # continue an interrupted run
 """
+import math
 import os
 from dataclasses import dataclass
 
@@ -24,10 +25,30 @@ import torch
 from tqdm import tqdm
 
 from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, finish_step,
-                    group_advantages, parse_args, policy_update, recipe_arg, rollout_seed, score,
-                    sequence_logprobs, setup, take_prompts, token_coefficients)
+                    group_advantages, math_reward, parse_args, policy_update, recipe_arg,
+                    rollout_seed, score, sequence_logprobs, setup, take_prompts,
+                    template_messages, token_coefficients)
 
 METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
+
+
+# ==================================================================================================
+# YOUR TASK: what a completion earns, and how a question is asked. The one place to change for your
+# own data (README.md#your-own-task); a row is one line of your .jsonl, every column kept.
+# ==================================================================================================
+METRIC = "accuracy"  # the held-out mean of reward(): "accuracy" while it pays 1 right, 0 wrong
+
+
+def reward(completion, row):
+    """A float for one completion's decoded text: 1.0 when math-verify finds its final answer
+    equal to the row's gold (its 'answer' column), else 0.0."""
+    return math_reward(completion, row["gold"])
+
+
+def prompt(row, template):
+    """The chat messages that ask the row's question: --template's system prompt and user message
+    (common.TEMPLATES), or a list of {"role", "content"} of your own."""
+    return template_messages(template, row["question"])
 
 
 @dataclass
@@ -103,7 +124,8 @@ class Args:
 
 def main():
     args = parse_args(Args, METHOD, __doc__)  # recipe defaults filled in, every flag checked
-    run = setup(args, METHOD)  # every check first; models, engine, optimiser; evaluation at step 0
+    # every check first; models, engine, optimiser; evaluation at step 0
+    run = setup(args, METHOD, reward, prompt, METRIC)
     model = run.model
     engine = run.engine
     tokenizer = run.tokenizer
@@ -130,29 +152,34 @@ def main():
         with timer("reward"):
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
-            rewards, reward_counts = score(texts, [batch[k // G]["gold"]
-                                                   for k in range(len(texts))])
+            rows = [row for row in batch for _ in range(G)]  # each completion's dataset row
+            rewards, reward_counts = score(texts, rows, reward)  # NaN: left unread
             rewards = torch.tensor(rewards).view(B, G)  # [B, G]
             advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [B, G]
-            samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(),
-                              advantages[q, i].item(), logps)
-                       for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]
-            coefs = token_coefficients([len(s.completion_ids) for s in samples], args.loss_agg,
-                                       max_len=args.max_tokens)
-            for s, c in zip(samples, coefs.tolist()):
+            samples = []  # every completion, with what the trainer needs of it
+            for q, group in enumerate(outputs):
+                for i, (ids, logps) in enumerate(group):
+                    sample = Sample(prompt_ids=batch[q]["prompt_ids"], completion_ids=ids,
+                                    reward=rewards[q, i].item(),
+                                    advantage=advantages[q, i].item(), sample_logps=logps)
+                    samples.append(sample)
+            trained = [s for s in samples if not math.isnan(s.reward)]  # an unread one: none
+            lengths = [len(s.completion_ids) for s in trained]
+            coefs = token_coefficients(lengths, args.loss_agg, max_len=args.max_tokens)
+            for s, c in zip(trained, coefs.tolist()):
                 s.coef = c
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
             if args.mu > 1:  # else on-policy: old = logp.detach()
-                for s, lp in zip(samples, sequence_logprobs(model, samples, passes)):
+                for s, lp in zip(trained, sequence_logprobs(model, trained, passes)):
                     s.old_logps = lp
             if run.ref_model is not None:  # beta = 0 loads no reference model
-                for s, lp in zip(samples, sequence_logprobs(run.ref_model, samples, passes)):
+                for s, lp in zip(trained, sequence_logprobs(run.ref_model, trained, passes)):
                     s.ref_logps = lp
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, samples, passes, beta=args.beta,
+                stats = policy_update(model, run.optimizer, trained, passes, beta=args.beta,
                                       clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
                                       grad_clip=args.grad_clip)
                 run.scheduler.step()
@@ -167,14 +194,14 @@ def main():
             **batch_metrics(rewards, samples, run.stop_ids, reward_counts),
             **stats,
             "rollouts": len(samples),
-            "trained_rollouts": len(samples),
+            "trained_rollouts": len(trained),
             "lr": run.scheduler.get_last_lr()[0],
             **timer.seconds(),
         }
         if finish_step(run, bar, row, cursor):  # evaluate, log, checkpoint; True at the end
             break
     bar.close()
-    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) "
+    print(f"done: test {METRIC} {run.test_score:.3f} (validation {run.eval_score:.3f}) "
           f"after {run.steps} steps; metrics and checkpoint in {args.out}")
 
 

@@ -23,11 +23,31 @@ import torch
 from tqdm import tqdm
 
 from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die, finish_step,
-                    group_advantages, parse_args, policy_update, recipe_arg, rollout_seed, score,
-                    sequence_logprobs, setup, take_prompts, token_coefficients)
+                    group_advantages, math_reward, parse_args, policy_update, recipe_arg,
+                    rollout_seed, score, sequence_logprobs, setup, take_prompts, template_messages,
+                    token_coefficients)
 
 METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the paper's jina needs remote code
+
+
+# ==================================================================================================
+# YOUR TASK: what a completion earns, and how a question is asked. The one place to change for your
+# own data (README.md#your-own-task); a row is one line of your .jsonl, every column kept.
+# ==================================================================================================
+METRIC = "accuracy"  # the held-out mean of reward(): "accuracy" while it pays 1 right, 0 wrong
+
+
+def reward(completion, row):
+    """A float for one completion's decoded text: 1.0 when math-verify finds its final answer
+    equal to the row's gold (its 'answer' column), else 0.0."""
+    return math_reward(completion, row["gold"])
+
+
+def prompt(row, template):
+    """The chat messages that ask the row's question: --template's system prompt and user message
+    (common.TEMPLATES), or a list of {"role", "content"} of your own."""
+    return template_messages(template, row["question"])
 
 
 @dataclass
@@ -170,7 +190,13 @@ def mmr_reweight(rewards, embeddings, floor=True):
     [B*G, d] come in the rewards' order. The advantage then normalises r~ as GRPO normalises r:
     docs/mmr_grpo.md#eq-advantage"""
     sim = group_similarity(embeddings, rewards.shape[1])  # [B, G, G]
-    out = [mmr_rewards(r, s, floor) for r, s in zip(rewards, sim)]
+    out = []
+    for r, s in zip(rewards, sim):
+        if r.isnan().any():  # an answer left unread: the group is left out whole, A = 0 for all
+            unread = torch.full(r.shape, math.nan, dtype=torch.float64)  # [G]
+            out.append((unread, torch.tensor(math.nan)))
+        else:
+            out.append(mmr_rewards(r, s, floor))
     return torch.stack([o[0] for o in out]), torch.stack([o[1] for o in out]), sim
 
 
@@ -190,7 +216,7 @@ def main():
         die(f"--embed_model {args.embed_model!r} could not be loaded ({type(e).__name__}: "
             f"{reason}): pass a local sentence-transformers folder, or --embed_model toy (the toy "
             "policy's weights, mean-pooled)")
-    run = setup(args, METHOD, about=f", encoder {args.embed_model}")
+    run = setup(args, METHOD, reward, prompt, METRIC, about=f", encoder {args.embed_model}")
     model = run.model
     engine = run.engine
     tokenizer = run.tokenizer
@@ -217,32 +243,37 @@ def main():
         with timer("reward"):
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
-            rewards, reward_counts = score(texts, [batch[k // G]["gold"]
-                                                   for k in range(len(texts))])
+            rows = [row for row in batch for _ in range(G)]  # each completion's dataset row
+            rewards, reward_counts = score(texts, rows, reward)  # NaN: left unread
             rewards = torch.tensor(rewards).view(B, G)  # [B, G]
         with timer("mmr"):  # [B, G], [B], [B, G, G]
             mmr, lam, sim = mmr_reweight(rewards, embed(encoder, texts), args.sim_floor)
         with timer("reward"):
             advantages = group_advantages(mmr, args.std_mode, args.adv_eps)  # [B, G]
-            samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(),
-                              advantages[q, i].item(), logps)
-                       for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]
-            coefs = token_coefficients([len(s.completion_ids) for s in samples], args.loss_agg,
-                                       max_len=args.max_tokens)
-            for s, c in zip(samples, coefs.tolist()):
+            samples = []  # every completion, with what the trainer needs of it
+            for q, group in enumerate(outputs):
+                for i, (ids, logps) in enumerate(group):
+                    sample = Sample(prompt_ids=batch[q]["prompt_ids"], completion_ids=ids,
+                                    reward=rewards[q, i].item(),
+                                    advantage=advantages[q, i].item(), sample_logps=logps)
+                    samples.append(sample)
+            trained = [s for s in samples if not math.isnan(s.reward)]  # an unread one: none
+            lengths = [len(s.completion_ids) for s in trained]
+            coefs = token_coefficients(lengths, args.loss_agg, max_len=args.max_tokens)
+            for s, c in zip(trained, coefs.tolist()):
                 s.coef = c
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
             if args.mu > 1:  # else on-policy: old = logp.detach()
-                for s, lp in zip(samples, sequence_logprobs(model, samples, passes)):
+                for s, lp in zip(trained, sequence_logprobs(model, trained, passes)):
                     s.old_logps = lp
             if run.ref_model is not None:  # beta = 0 loads no reference model
-                for s, lp in zip(samples, sequence_logprobs(run.ref_model, samples, passes)):
+                for s, lp in zip(trained, sequence_logprobs(run.ref_model, trained, passes)):
                     s.ref_logps = lp
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, samples, passes, beta=args.beta,
+                stats = policy_update(model, run.optimizer, trained, passes, beta=args.beta,
                                       clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
                                       grad_clip=args.grad_clip)
                 run.scheduler.step()
@@ -259,10 +290,10 @@ def main():
             **batch_metrics(rewards, samples, run.stop_ids, reward_counts),
             **stats,
             "rollouts": len(samples),
-            "trained_rollouts": len(samples),
+            "trained_rollouts": len(trained),
             "lr": run.scheduler.get_last_lr()[0],
             **timer.seconds(),
-            "mmr_lambda": lam.mean().item(),
+            "mmr_lambda": lam.nanmean().item(),
             "mmr_similarity": sim[:, off_diagonal].sum().item() / max(1, B * G * (G - 1)),
             "silent_groups": (advantages == 0).all(dim=1).float().mean().item(),  # GRPO: zero_std
         }
@@ -270,7 +301,7 @@ def main():
         if finish_step(run, bar, row, cursor):  # evaluate, log, checkpoint; True at the end
             break
     bar.close()
-    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) "
+    print(f"done: test {METRIC} {run.test_score:.3f} (validation {run.eval_score:.3f}) "
           f"after {run.steps} steps; metrics and checkpoint in {args.out}")
 
 

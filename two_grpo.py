@@ -25,10 +25,30 @@ import torch
 from tqdm import tqdm
 
 from common import (DATASETS, RECIPE, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die,
-                    finish_step, group_advantages, parse_args, policy_update, recipe_arg,
-                    rollout_seed, score, sequence_logprobs, setup, take_prompts, token_coefficients)
+                    finish_step, group_advantages, math_reward, parse_args, policy_update,
+                    recipe_arg, rollout_seed, score, sequence_logprobs, setup, take_prompts,
+                    template_messages, tied_groups, token_coefficients)
 
 METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
+
+
+# ==================================================================================================
+# YOUR TASK: what a completion earns, and how a question is asked. The one place to change for your
+# own data (README.md#your-own-task); a row is one line of your .jsonl, every column kept.
+# ==================================================================================================
+METRIC = "accuracy"  # the held-out mean of reward(): "accuracy" while it pays 1 right, 0 wrong
+
+
+def reward(completion, row):
+    """A float for one completion's decoded text: 1.0 when math-verify finds its final answer
+    equal to the row's gold (its 'answer' column), else 0.0."""
+    return math_reward(completion, row["gold"])
+
+
+def prompt(row, template):
+    """The chat messages that ask the row's question: --template's system prompt and user message
+    (common.TEMPLATES), or a list of {"role", "content"} of your own."""
+    return template_messages(template, row["question"])
 
 
 @dataclass
@@ -123,7 +143,9 @@ def rows_to_train(samples, loss_agg, max_len, num_seqs, skip_tied):
     docs/two_grpo.md#skip-tied"""
     coefs = token_coefficients([len(s.completion_ids) for s in samples], loss_agg, max_len=max_len,
                                num_seqs=num_seqs)
-    keep = [i for i, s in enumerate(samples) if s.advantage != 0 or not skip_tied] or [0]
+    # an answer left unread (NaN reward) is never trained on
+    keep = [i for i, s in enumerate(samples)
+            if not math.isnan(s.reward) and (s.advantage != 0 or not skip_tied)] or [0]
     return keep, coefs[keep]
 
 
@@ -150,7 +172,8 @@ def main():
     if args.resample and args.resample_cap < 1:
         die(f"--resample_cap must be at least 1 (got {args.resample_cap})")
     rounds = args.resample_cap if args.resample else 1  # prompts drawn: at most B x rounds
-    run = setup(args, METHOD)  # every check first; models, engine, optimiser; evaluation at step 0
+    # every check first; models, engine, optimiser; evaluation at step 0
+    run = setup(args, METHOD, reward, prompt, METRIC)
     model = run.model
     engine = run.engine
     tokenizer = run.tokenizer
@@ -173,7 +196,9 @@ def main():
         reward_counts = collections.Counter()
         cap = B * rounds  # prompts this step may draw
         while len(batch) < cap:
-            mixed = sum(len(set(r)) > 1 for r in rewards)
+            mixed = 0  # mixed pairs drawn so far this step
+            if rewards:
+                mixed = int((~tied_groups(rewards)).sum())
             missing = B - mixed if args.resample else B - len(batch)
             if missing <= 0:
                 break
@@ -187,16 +212,17 @@ def main():
             with timer("reward"):
                 texts = tokenizer.batch_decode([ids for group in out for ids, _ in group],
                                                skip_special_tokens=True)
-                scores, counts = score(texts, [new[k // G]["gold"] for k in range(n * G)])
+                rows = [row for row in new for _ in range(G)]  # each completion's dataset row
+                scores, counts = score(texts, rows, reward)  # NaN: left unread
                 reward_counts.update(counts)
             batch += new
             outputs += out  # one list of G (token ids, log-probs) per prompt
             rewards += [scores[q * G:(q + 1) * G] for q in range(n)]
         drawn = len(batch)
-        tied = sum(len(set(r)) == 1 for r in rewards) / drawn
         r_drawn = torch.tensor(rewards)  # [drawn, G]: what the step sampled, logged below
+        tied = tied_groups(r_drawn)  # [drawn]: a pair with an answer left unread is not mixed
         if args.resample:  # train on the first B mixed pairs; drop tied ones and the surplus
-            keep = [q for q, r in enumerate(rewards) if len(set(r)) > 1][:B]
+            keep = [q for q in range(drawn) if not tied[q]][:B]
             if not keep:  # nothing to learn: B tied pairs (zero advantage), as 2-GRPO would
                 tqdm.write(f"step {step + 1}: no mixed pair among {drawn} prompts "
                            f"(--resample_cap {args.resample_cap}): training on {B} tied pairs, "
@@ -210,9 +236,13 @@ def main():
         with timer("reward"):
             rewards = torch.tensor(rewards).view(-1, G)  # [B, G]
             advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [B, G]
-            samples = [Sample(batch[q]["prompt_ids"], ids, rewards[q, i].item(),
-                              advantages[q, i].item(), logps)
-                       for q, group in enumerate(outputs) for i, (ids, logps) in enumerate(group)]
+            samples = []  # every completion, with what the trainer needs of it
+            for q, group in enumerate(outputs):
+                for i, (ids, logps) in enumerate(group):
+                    sample = Sample(prompt_ids=batch[q]["prompt_ids"], completion_ids=ids,
+                                    reward=rewards[q, i].item(),
+                                    advantage=advantages[q, i].item(), sample_logps=logps)
+                    samples.append(sample)
             train, coefs = rows_to_train(samples, args.loss_agg, args.max_tokens, B * G,
                                          args.skip_tied and args.beta == 0)
             trained = [samples[i] for i in train]
@@ -243,7 +273,7 @@ def main():
             "step": step + 1,
             **batch_metrics(r_drawn, samples, run.stop_ids, reward_counts),
             **stats,
-            "tied_pairs": tied,
+            "tied_pairs": tied.float().mean().item(),
             "prompts_drawn": drawn,
             "rollouts": drawn * G,
             "trained_rollouts": len(trained),
@@ -253,7 +283,7 @@ def main():
         if finish_step(run, bar, row, cursor):  # evaluate, log, checkpoint; True at the end
             break
     bar.close()
-    print(f"done: test accuracy {run.test_acc:.3f} (validation {run.eval_acc:.3f}) "
+    print(f"done: test {METRIC} {run.test_score:.3f} (validation {run.eval_score:.3f}) "
           f"after {run.steps} steps; metrics and checkpoint in {args.out}")
 
 

@@ -61,6 +61,7 @@ def test_chains_length_mix_is_what_its_model_samples():
     length)."""
     from bench import model_lengths
     from common import DATASETS, load_dataset, load_tokenizer, prompt_token_ids
+    from grpo import prompt as question_prompt
     lengths = model_lengths("chains", 16, 4, 0)  # the same call as synthetic_samples makes
     samples = synthetic_samples(16, "chains", 448, 4)
     assert [(len(s.prompt_ids), len(s.completion_ids)) for s in samples] == lengths
@@ -72,7 +73,8 @@ def test_chains_length_mix_is_what_its_model_samples():
     assert max(completions) - min(completions) >= 40  # varied, unlike the toy's ~9 tokens
     train, _, _ = load_dataset("chains", 1)
     tokenizer = load_tokenizer(DATASETS["chains"]["model"])
-    prompts = {len(r["prompt_ids"]) for r in prompt_token_ids(tokenizer, train, "plain", 512)}
+    rows = prompt_token_ids(tokenizer, train, question_prompt, "plain", 512)
+    prompts = {len(r["prompt_ids"]) for r in rows}
     assert {p for p, _ in lengths} <= prompts
 
 

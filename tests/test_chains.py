@@ -168,10 +168,11 @@ def test_model_generates_its_reasoning_in_the_vllm_engine():
         pytest.importorskip("vllm")
     from common import VLLMEngine, load_model
     from common import prompt_token_ids
+    from grpo import prompt
     tokenizer = load_tokenizer(MODEL)
     model = load_model(MODEL, torch.device("cpu"), frozen=True)
     rows = [{"question": r["question"], "gold": r["answer"]} for r in committed("test")[:16]]
-    rows = prompt_token_ids(tokenizer, rows, "plain", 512)
+    rows = prompt_token_ids(tokenizer, rows, prompt, "plain", 512)
     engine = VLLMEngine(MODEL, seed=0, max_model_len=512, max_num_seqs=32,
                         vocab_size=len(tokenizer), model_vocab_size=model.config.vocab_size,
                         stop_ids=[tokenizer.eos_token_id], cpu_kv_bytes=64 << 20)
@@ -205,6 +206,7 @@ def test_recipe_and_missing_files(tmp_path, monkeypatch, capsys):
     """--dataset chains fills its recipe (an explicit flag still wins, --help shows both); with its
     files gone, setup() stops with one line naming what is missing (exit 2) before it writes
     anything."""
+    import grpo
     from grpo import Args
     out = ["--out", str(tmp_path / "o")]
     args = parse_args(Args, "grpo", "", argv=["--dataset", "chains", *out])
@@ -225,8 +227,9 @@ def test_recipe_and_missing_files(tmp_path, monkeypatch, capsys):
 
     def refused(*flags):
         with pytest.raises(SystemExit) as e:
-            setup(parse_args(Args, "grpo", "",
-                             argv=["--dataset", "chains", "--rollout", "hf", *flags, *out]), "grpo")
+            args = parse_args(Args, "grpo", "",
+                              argv=["--dataset", "chains", "--rollout", "hf", *flags, *out])
+            setup(args, "grpo", grpo.reward, grpo.prompt)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
         return err[0]

@@ -44,6 +44,8 @@ def one_line(result):
 def bad_jsonl(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"question": "q", "answer": "1"}\n{oops\n')
     (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "no_train").mkdir()  # a folder with a test split only
+    (tmp_path / "no_train" / "test.jsonl").write_text('{"question": "q", "answer": "1"}\n')
     return tmp_path
 
 
@@ -56,13 +58,22 @@ def bad_jsonl(tmp_path):
     (["--group_size", "1"], "--group_size 1 has no unbiased std"),
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--lr", "-1"], "--lr must be > 0"),
-    (["--prompts_per_step", "0"], "--prompts_per_step must be at least 1"),
-    (["--save_every", "0"], "--save_every must be at least 1"),
+    (["--prompts_per_step", "0"], "--prompts_per_step must be in [1, 2^20]"),
+    (["--prompts_per_step", "1000000000"], "--prompts_per_step must be in [1, 2^20]"),
+    (["--lora_r", "1000000000000"], "--lora_r must be in [0, 2^16]"),
+    (["--save_every", "0"], "--save_every must be in [1, 2^20]"),
     (["--loss_agg", "sum"], "invalid choice: 'sum'"),
     (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (["--resume", "{tmp}/nothing"], "no checkpoint there"),
     (["--grad_clip=-1"], "--grad_clip must be >= 0"),
-    (["--grad_clip", "nan"], "--grad_clip must be >= 0"),
+    (["--grad_clip", "nan"], "--grad_clip must be a finite number (got nan)"),
+    (["--lr", "inf"], "--lr must be a finite number (got inf)"),
+    (["--beta", "inf"], "--beta must be a finite number (got inf)"),
+    (["--temperature", "inf"], "--temperature must be a finite number (got inf)"),
+    (["--lora_alpha", "inf"], "--lora_alpha must be a finite number (got inf)"),
+    (["--dataset", "{tmp}/no_train"], "--dataset '{tmp}/no_train': a dataset folder needs a "
+                                      "train.jsonl"),
+    (["--out", "{tmp}/bad.jsonl/sub"], "--out '{tmp}/bad.jsonl/sub': {tmp}/bad.jsonl is a file"),
     (["--steps", "2000000"], "--steps must be in [0, 2^20) (got 2000000)"),
     (["--weight_decay=-0.1"], "--weight_decay must be >= 0"),
     (["--adv_eps=-1e-4"], "--adv_eps must be >= 0"),
@@ -75,9 +86,9 @@ def bad_jsonl(tmp_path):
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(bad_jsonl, main_of, args, message):
     out = bad_jsonl / "out"
-    line = one_line(main_of("grpo", [a.replace("{tmp}", str(bad_jsonl)) for a in args]
-                            + ["--out", str(out)]))
-    assert message in line, line
+    line = one_line(main_of("grpo", ["--out", str(out)]
+                            + [a.replace("{tmp}", str(bad_jsonl)) for a in args]))
+    assert message.replace("{tmp}", str(bad_jsonl)) in line, line
     assert not out.exists()
 
 
@@ -105,7 +116,7 @@ def test_an_out_that_is_a_file_is_refused_before_loading(tmp_path, main_of):
     path = tmp_path / "notes.txt"
     path.write_text("mine\n")
     line = one_line(main_of("grpo", SMALL + ["--rollout", "hf", "--out", str(path)]))
-    assert f"--out {str(path)!r} is a file, not a folder" in line, line
+    assert f"--out {str(path)!r}: {path} is a file, not a folder" in line, line
     assert path.read_text() == "mine\n"
 
 

@@ -56,3 +56,64 @@ def test_a_method_runs_from_two_copied_files(method, tmp_path, tiny_dir):
                                                       "run"}
     metrics = [json.loads(line) for line in open(own / "run" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [0, 1]
+
+
+# One's own task: the marked reward() replaced, nothing else of the copied script touched
+OWN_REWARD = '''def reward(completion, row):
+    """Reads a column of one's own: the row's bonus, times the completion's length mod 3, / 2."""
+    value = row["bonus"] * (len(completion) % 3) / 2
+    with open(os.environ["REWARD_LOG"], "a") as f:  # each call, for the test to read back
+        f.write(json.dumps({"split": row["split"], "value": value}) + "\\n")
+    return value
+
+
+'''
+
+
+def replace_reward(source):
+    """The script with its marked reward() (from its def to the next def) replaced by OWN_REWARD."""
+    marker = source.index("# YOUR TASK")
+    start = source.index("def reward(completion, row):", marker)
+    end = source.index("def prompt(", start)
+    return "import json\n" + source[:start] + OWN_REWARD + source[end:]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ones_own_reward_reads_ones_own_column(method, tmp_path, tiny_dir):
+    """Two copied files, only the marked reward() replaced by one that reads a column of one's own
+    .jsonl: every reward a step logs is that function's, its mean over each step's rollouts, and the
+    held-out score is its mean over the test rows. Each method uses the rewards its own way (CPPO
+    prunes, DPPO samples, MMR-GRPO reweights), so each is run."""
+    for name in (f"{method}.py", "common.py"):
+        shutil.copy(os.path.join(REPO, name), tmp_path)
+    script = tmp_path / f"{method}.py"
+    script.write_text(replace_reward(script.read_text()))
+    for split, n in (("train", 24), ("test", 4)):
+        rows = [{"question": f"What is {a} + 20?", "answer": str(a + 20), "split": split,
+                 "bonus": 0.1 * (1 + a % 7)} for a in range(10, 10 + n)]
+        (tmp_path / "data").mkdir(exist_ok=True)
+        (tmp_path / "data" / f"{split}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows))
+    flags = {"cppo": ["--group_size", "4", "--pruning", "0.5"],
+             "mmr_grpo": ["--embed_model", tiny_dir], "two_grpo": []}.get(method,
+                                                                         ["--group_size", "4"])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", REWARD_LOG=str(tmp_path / "calls.jsonl"))
+    result = subprocess.run([sys.executable, f"{method}.py", "--model", tiny_dir, "--dataset",
+                             "data", "--steps", "2", "--prompts_per_step", "2", "--rollout", "hf",
+                             *flags, "--out", "run"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    calls = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
+    train = [c["value"] for c in calls if c["split"] == "train"]
+    test = [c["value"] for c in calls if c["split"] == "test"]
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    steps = [m for m in metrics if m["step"] > 0]
+    assert len(steps) == 2 and sum(m["rollouts"] for m in steps) == len(train)
+    assert len(set(train)) > 1  # the rewards vary, so the methods have something to learn from
+    for m in steps:
+        mine = [train.pop(0) for _ in range(m["rollouts"])]  # this step's calls, in order
+        assert m["reward_mean"] == pytest.approx(sum(mine) / len(mine), abs=1e-5)
+    # evaluated at step 0 and at the end, on the 4 test rows (no validation split)
+    assert len(test) == 8
+    assert metrics[-1]["test_accuracy"] == pytest.approx(sum(test[4:]) / 4, abs=1e-5)

@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from common import (DATASETS, TEMPLATES, format_prompt, load_dataset, load_tokenizer,
-                    prompt_token_ids, take_prompts)
+from common import (DATASETS, TEMPLATES, load_dataset, load_tokenizer, prompt_token_ids,
+                    take_prompts, template_messages)
+from grpo import prompt
 
 TOY_MODEL = DATASETS["toy"]["model"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +23,8 @@ def test_toy_dataset_has_train_and_test_splits():
     train, val, test = load_dataset("toy", eval_n=50)
     # no val.jsonl: test serves during training
     assert len(train) == 1920 and len(test) == 50 and val is None
-    assert train[0].keys() == {"question", "gold"} and train[0]["gold"].isdigit()
+    # every column kept, and the two the default prompt and reward read
+    assert train[0].keys() == {"question", "answer", "gold"} and train[0]["gold"].isdigit()
 
 
 def test_single_file_holds_out_a_fixed_eval_split(tmp_path):
@@ -97,21 +99,38 @@ def test_paper_prompts_are_verbatim():
             and DATASETS["math"]["template"] == "cppo_math")
 
 
-def test_format_prompt_uses_the_chat_template():
+def test_prompts_go_through_the_chat_template():
+    """grpo.py's prompt(row, template): --template's messages around the row's question, which
+    prompt_token_ids puts through the tokenizer's chat template."""
     tokenizer = load_tokenizer(TOY_MODEL)
-    assert format_prompt(tokenizer, "What is 1 + 2?", "plain") == \
+
+    def text(question, template):
+        ids = prompt_token_ids(tokenizer, [{"question": question}], prompt, template, 10**6)
+        return tokenizer.decode(ids[0]["prompt_ids"])
+    assert text("What is 1 + 2?", "plain") == \
         "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
-    text = format_prompt(tokenizer, "Q", "cppo_gsm8k")
-    assert (text.startswith("<|im_start|>system\nA conversation")
-            and text.endswith("user\nQ<|im_end|>\n<|im_start|>assistant\n"))
-    assert format_prompt(tokenizer, "Q", "verl_math").endswith(
-        "within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+    assert (text("Q", "cppo_gsm8k").startswith("<|im_start|>system\nA conversation")
+            and text("Q", "cppo_gsm8k").endswith("user\nQ<|im_end|>\n<|im_start|>assistant\n"))
+    assert text("Q", "verl_math").endswith("within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+    assert template_messages("plain", "Q") == [{"role": "user", "content": "Q"}]
+
+
+def test_a_prompt_of_ones_own_reads_any_column():
+    """A prompt(row, template) of one's own: the rows keep every column of the dataset."""
+    tokenizer = load_tokenizer(TOY_MODEL)
+    rows = [{"question": "Q", "gold": "1", "hint": "count twice"}]
+
+    def own(row, template):
+        return [{"role": "system", "content": row["hint"]},
+                {"role": "user", "content": row["question"]}]
+    ids = prompt_token_ids(tokenizer, rows, own, "plain", 10**6)[0]["prompt_ids"]
+    assert tokenizer.decode(ids).startswith("<|im_start|>system\ncount twice<|im_end|>")
 
 
 def test_overlong_prompts_are_dropped():
     tokenizer = load_tokenizer(TOY_MODEL)
     rows = [{"question": "What is 1 + 2?", "gold": "3"}, {"question": "x " * 500, "gold": "1"}]
-    kept = prompt_token_ids(tokenizer, rows, "plain", max_prompt_len=64)
+    kept = prompt_token_ids(tokenizer, rows, prompt, "plain", max_prompt_len=64)
     assert ([r["gold"] for r in kept] == ["3"]
             and kept[0]["prompt_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>"))
 

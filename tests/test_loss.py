@@ -95,7 +95,7 @@ def test_truncated_importance_weight_scales_the_policy_term_only():
     logp = torch.tensor([-1.0, -1.0])
     ref = torch.tensor([-1.2, -0.9])
     out, kl, _ = token_loss(logp, logp, ref, torch.tensor([1.0, 1.0]), 0.2, 0.2, 0.5,
-                            is_weight=torch.tensor([0.5, 2.0]))
+                            is_weights=torch.tensor([0.5, 2.0]))
     k = lambda d: math.exp(d) - d - 1
     torch.testing.assert_close(kl, torch.tensor([k(-0.2), k(0.1)]))
     torch.testing.assert_close(out, torch.tensor([-0.5 + 0.5 * k(-0.2),

@@ -712,7 +712,8 @@ def test_only_varlen_can_share_a_prompt(tiny_dir, tiny):
     for flags, shared in ([], True), (["--attn", "sdpa"], False), (["--no_shared_prompt"], False):
         out = tiny_dir + f"-setup-{len(flags)}-{shared}"
         run = setup(parse_args(grpo.Args, "grpo", "", argv=["--rollout", "hf", "--eval_n", "2",
-                                                           "--out", out, *flags]), "grpo")
+                                                           "--out", out, *flags]), "grpo",
+                    grpo.reward, grpo.prompt)
         assert run.passes.shared is shared
         run.metrics.close()
         shutil.rmtree(out)

@@ -4,6 +4,7 @@ its refusal, a start-up that says what it does, flat rewards flagged, a tracker,
 validation split, a reward that cannot stall a step, the size of a checkpoint."""
 import collections
 import json
+import math
 import os
 import subprocess
 import sys
@@ -123,31 +124,47 @@ def test_lora_without_peft_is_one_line(tmp_path, monkeypatch, capsys):
 GIB = 2**30
 
 
-@pytest.mark.parametrize("lora_r,beta,per_param", [(0, 0.04, 20), (0, 0.0, 16), (16, 0.04, 4)])
-def test_the_memory_estimate_by_hand(monkeypatch, capsys, lora_r, beta, per_param):
-    """1.5e9 parameters: 16 bytes each for fp32 weights, gradients and AdamW's two moments, 4 more
-    for the reference at beta > 0; LoRA keeps the weights alone (the reference is the adapter
-    off). vLLM holds its fraction of the whole GPU."""
+def meta_model(frozen, trained):
+    """Something with .parameters(), `frozen` and `trained` of them, on the meta device: counted,
+    never allocated."""
+    weights = [torch.empty(int(frozen), device="meta"), torch.empty(int(trained), device="meta")]
+    weights[0].requires_grad_(False)
+    weights[1].requires_grad_(True)
+    return torch.nn.ParameterList([torch.nn.Parameter(w, requires_grad=w.requires_grad)
+                                   for w in weights if w.numel()])
+
+
+@pytest.mark.parametrize("frozen,trained,lora_r,beta,trainer_bytes", [
+    (0, 1.5e9, 0, 0.04, 1.5e9 * (4 + 2 + 4 + 8 + 4)),  # weights, bf16 copies, grads, AdamW, ref
+    (0, 1.5e9, 0, 0.0, 1.5e9 * (4 + 2 + 4 + 8)),  # no reference at beta 0
+    (1.5e9, 1.5e7, 16, 0.04, 1.5e9 * (4 + 2) + 1.5e7 * (4 + 2 + 4 + 8)),  # LoRA: no reference
+])
+def test_the_memory_estimate_by_hand(monkeypatch, capsys, frozen, trained, lora_r, beta,
+                                     trainer_bytes):
+    """Per parameter: its fp32 weight 4 bytes and its bf16 autocast copy 2; per trained one its
+    gradient 4 and AdamW's two moments 8; the reference's weights 4 at beta > 0, none with LoRA
+    (the reference is the adapter off). vLLM holds its fraction of the whole GPU."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (200 * GIB, 80 * GIB))
-    check_memory(1.5e9, lora_r, beta, 0.3)
+    check_memory(meta_model(frozen, trained), beta, lora_r, 0.3)
     line = capsys.readouterr().out
-    trainer = per_param * 1.5e9 / GIB
-    assert (f"trainer {per_param} bytes x 1.50B parameters = {trainer:.1f} GiB, vLLM 24.0 GiB, "
-            "of 200.0 GiB free") in line, line
+    total = (frozen + trained) / 1e9
+    assert (f"trainer {trainer_bytes / GIB:.1f} GiB ({total:.2f}B parameters, {trained / 1e9:.3f}B "
+            "trained), vLLM 24.0 GiB, of 200.0 GiB free") in line, line
 
 
 def test_a_run_that_cannot_fit_is_refused_with_the_flags_that_cut_it(monkeypatch, capsys):
-    """A 7B model in full fine-tuning with a reference (140 GB) on an 80 GB card: one line and exit
-    2, naming --lora_r, --beta 0, --vllm_gpu_memory and --token_budget; with LoRA it fits."""
+    """A 7B model in full fine-tuning with a reference (7e9 x 22 bytes, 143.4 GiB) on an 80 GB
+    card: one line and exit 2, naming --lora_r, --beta 0, --vllm_gpu_memory and --token_budget;
+    with LoRA it passes."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (79 * GIB, 80 * GIB))
     with pytest.raises(SystemExit) as stop:
-        check_memory(7e9, 0, 0.04, 0.3)
+        check_memory(meta_model(0, 7e9), 0.04, 0, 0.3)
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: the run needs about 154.4 GiB"), err
+    assert len(err) == 1 and err[0].startswith("error: the run needs about 167.4 GiB"), err
     for flag in ("--lora_r", "--beta 0", "--vllm_gpu_memory", "--token_budget"):
         assert flag in err[0]
-    check_memory(7e9, 16, 0.04, 0.3)  # 26.1 + 24 GiB: fits
+    check_memory(meta_model(7e9, 4e7), 0.04, 16, 0.3)  # 39.8 + 24 GiB: passes
 
 
 # ---------------------------------------------------------------- what a run says
@@ -183,7 +200,7 @@ def test_rollout_auto_without_vllm_says_why(tmp_path, monkeypatch, capsys):
                         lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     args = common.parse_args(grpo.Args, "grpo", "", argv=["--eval_n", "2", "--out",
                                                           str(tmp_path / "o")])
-    run = common.setup(args, "grpo")
+    run = common.setup(args, "grpo", grpo.reward, grpo.prompt)
     run.metrics.close()
     assert ("rollout: transformers generate (vLLM is not installed: pip install vllm)"
             in capsys.readouterr().out)
@@ -200,7 +217,7 @@ def test_a_vllm_that_does_not_start_is_one_line(tmp_path, monkeypatch, capsys):
     args = common.parse_args(grpo.Args, "grpo", "", argv=["--rollout", "vllm", "--eval_n", "2",
                                                           "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit) as stop:
-        common.setup(args, "grpo")
+        common.setup(args, "grpo", grpo.reward, grpo.prompt)
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: vLLM did not start (RuntimeError('not "
@@ -259,19 +276,23 @@ def test_gsm8k_validation_is_carved_from_train_and_the_test_stays_whole(tmp_path
 
 
 def test_a_reward_batch_cannot_stall_a_step(monkeypatch):
-    """Past its time budget the rest of a batch scores 0 unread, counted as capped (logged as
-    reward_capped); within it, every answer is read."""
+    """Past its time budget the rest of a batch is left unread: NaN, counted as capped (logged as
+    reward_capped), and it counts in no logged mean; within the budget every answer is read."""
     now = [0.0]
     monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
 
-    def slow(text, gold, timeout=5.0, counts=None):
+    def slow(text, row):
         now[0] += 40.0  # as math-verify on a degenerate answer, near its 5 s limit, ... slower
         return 1.0
-    monkeypatch.setattr(common, "math_reward", slow)
-    rewards, counts = score(["<answer>1</answer>"] * 5, ["1"] * 5, budget=100.0)
-    assert rewards == [1.0, 1.0, 1.0, 0.0, 0.0] and counts["capped"] == 2
-    rewards, counts = common.score(["<answer>1</answer>"] * 2, ["1"] * 2)
+    rows = [{"gold": "1"}] * 5
+    rewards, counts = score(["<answer>1</answer>"] * 5, rows, slow, budget=100.0)
+    assert rewards[:3] == [1.0, 1.0, 1.0] and counts["capped"] == 2
+    assert all(math.isnan(r) for r in rewards[3:])
+    rewards, counts = common.score(["<answer>1</answer>"] * 2, rows[:2], slow)
     assert rewards == [1.0, 1.0] and counts["capped"] == 0
-    metrics = common.batch_metrics(torch.zeros(1, 2), make_samples(10, lengths=[(2, 2), (2, 2)]),
-                                   [1], collections.Counter(capped=3))
+    metrics = common.batch_metrics(torch.tensor([[1.0, math.nan]]),
+                                   make_samples(10, lengths=[(2, 2), (2, 2)]), [1],
+                                   collections.Counter(capped=3))
     assert metrics["reward_capped"] == 3
+    # the unread answer counts nowhere: the mean and std are of the one read, its group is tied
+    assert (metrics["reward_mean"], metrics["reward_std"], metrics["zero_std_groups"]) == (1, 0, 1)

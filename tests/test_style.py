@@ -16,12 +16,12 @@ sys.path.insert(0, os.path.join(REPO, "docs"))
 from code_tokens import sections, size  # noqa: E402
 
 BUDGETS = {  # file -> most code tokens
-    "common.py": 10_500,
+    "common.py": 11_000,
     "grpo.py": 1_300,
-    "two_grpo.py": 2_500,
-    "cppo.py": 2_500,
-    "dppo.py": 2_500,
-    "mmr_grpo.py": 2_500,
+    "two_grpo.py": 2_600,
+    "cppo.py": 2_600,
+    "dppo.py": 2_600,
+    "mmr_grpo.py": 2_600,
     "bench.py": 7_000,
 }
 
@@ -44,7 +44,7 @@ def test_common_part_one_is_within_its_budget_at_ten_tokens_a_line():
     second = next(i for i, h in enumerate(headings) if h.startswith("Part II."))
     tokens = sum(t for _, t, _ in found[first:second])
     lines = sum(n for _, _, n in found[first:second])
-    assert second - first >= 8, "Part I's sections (1. rollout .. 4e. update) were not found"
+    assert second - first >= 7, "Part I's sections (1. rollout .. 6. log-probs) were not found"
     assert tokens <= 5_300, f"Part I: {tokens} code tokens, budget 5,300"
     assert tokens / lines <= 10, f"Part I: {tokens / lines:.1f} code tokens a line, at most 10"
 

@@ -32,7 +32,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 # the toy is built through the scripts' own prompt path and reward
 from common import math_reward  # noqa: E402
-from common import format_prompt  # noqa: E402
+from common import template_messages  # noqa: E402
+
+
+def prompt_text(tokenizer, question):
+    """The plain template's prompt, as the scripts' default prompt() makes it."""
+    messages = template_messages("plain", question)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -105,7 +112,7 @@ def warm_start(model, tokenizer, rows, steps, batch, lr, seed, log_every=250):
     torch.manual_seed(seed)
     examples = []
     for r in rows:
-        prompt = tokenizer(format_prompt(tokenizer, r["question"], "plain"),
+        prompt = tokenizer(prompt_text(tokenizer, r["question"]),
                            add_special_tokens=False)["input_ids"]
         examples.append((prompt, r["a"], r["b"]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -147,7 +154,7 @@ def accuracy(model, tokenizer, rows, greedy=True, seed=0):
     hits = {True: [], False: []}
     for i in range(0, len(rows), 100):
         chunk = rows[i:i + 100]
-        prompts = [tokenizer(format_prompt(tokenizer, r["question"], "plain"),
+        prompts = [tokenizer(prompt_text(tokenizer, r["question"]),
                              add_special_tokens=False)["input_ids"]
                    for r in chunk]
         width = max(map(len, prompts))
