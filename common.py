@@ -484,8 +484,9 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
         micro_batches = passes.pack(samples, passes.token_budget, passes.shared)
     for micro_batch in micro_batches:
         batch = [samples[i] for i in micro_batch]
-        logps = packed_logprobs(model, batch, passes.temperature, passes.vocab_size, passes.chunk,
-                                passes.shared)  # [N]
+        logps = packed_logprobs(model, batch, temperature=passes.temperature,
+                                vocab_size=passes.vocab_size, chunk=passes.chunk,
+                                shared=passes.shared)  # [N]
         device = logps.device
         # each sample's advantage and coefficient, repeated over its tokens: [N] each
         advantages = [s.advantage for s in batch for _ in s.completion_ids]
@@ -553,8 +554,9 @@ def sequence_logprobs(model, samples, passes):
     by_index = {}  # sample index -> its log-probs
     for micro_batch in passes.pack(samples, passes.token_budget, passes.shared):
         batch = [samples[i] for i in micro_batch]
-        logps = packed_logprobs(model, batch, passes.temperature, passes.vocab_size,
-                                passes.chunk, passes.shared)  # [N]
+        logps = packed_logprobs(model, batch, temperature=passes.temperature,
+                                vocab_size=passes.vocab_size, chunk=passes.chunk,
+                                shared=passes.shared)  # [N]
         lengths = [len(s.completion_ids) for s in batch]
         for i, sample_logps in zip(micro_batch, logps.float().cpu().split(lengths)):
             by_index[i] = sample_logps
@@ -590,7 +592,8 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=
         if on_gpu:
             weight = weight.to(torch.bfloat16)  # once, not per chunk
         hidden = hidden[predict]  # [N, d]
-        return chunked_logprobs(hidden, weight, targets, temperature, chunk, model.config, bias)
+        return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk=chunk,
+                                config=model.config, bias=bias)
 
 
 def packed_inputs(samples, device, shared=False):

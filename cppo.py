@@ -199,8 +199,10 @@ def main():
         with timer("rollout"):
             batch = [train_rows[i] for i in take_prompts(len(train_rows), cursor, Q, args.seed)]
             cursor += Q
-            outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature,
-                                      args.max_tokens, seed=rollout_seed(args.seed, step))
+            outputs = engine.generate([r["prompt_ids"] for r in batch], n=G,
+                                      temperature=args.temperature,
+                                      max_tokens=args.max_tokens,
+                                      seed=rollout_seed(args.seed, step))
             # outputs: per prompt, G (token ids, log-probs)
 
         # 2. reward, 3. advantages on the full group of G, not renormalised after pruning
@@ -216,8 +218,8 @@ def main():
             for q, group in enumerate(outputs):
                 for i, (ids, logps) in enumerate(group):
                     sample = Sample(prompt_ids=batch[q]["prompt_ids"], completion_ids=ids,
-                                    reward=rewards[q, i].item(),
-                                    advantage=advantages[q, i].item(), sample_logps=logps)
+                                    reward=float(rewards[q, i]),
+                                    advantage=float(advantages[q, i]), sample_logps=logps)
                     samples.append(sample)
 
         # 3b. pruning: keep the largest |A|
@@ -230,22 +232,24 @@ def main():
             trained = [samples[i] for i in kept if not math.isnan(samples[i].reward)]
             lengths = [len(s.completion_ids) for s in trained]  # docs/cppo.md#eq-loss
             coefs = token_coefficients(lengths, args.loss_agg, max_len=args.max_tokens)
-            for s, c in zip(trained, coefs.tolist()):
-                s.coef = c
+            for sample, coef in zip(trained, coefs.tolist()):
+                sample.coef = coef
 
         # 4. old / reference log-probs, then mu clipped updates, on the kept rows only
         #    (docs/grpo.md#eq-objective)
         with timer("logp"):
             if args.mu > 1:  # else on-policy: old = logp.detach()
-                for s, lp in zip(trained, sequence_logprobs(model, trained, passes)):
-                    s.old_logps = lp
+                for sample, logps in zip(trained, sequence_logprobs(model, trained, passes)):
+                    sample.old_logps = logps
             if run.ref_model is not None:  # beta = 0 loads no reference model
-                for s, lp in zip(trained, sequence_logprobs(run.ref_model, trained, passes)):
-                    s.ref_logps = lp
+                for sample, logps in zip(trained,
+                                         sequence_logprobs(run.ref_model, trained, passes)):
+                    sample.ref_logps = logps
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, trained, passes, beta=args.beta,
-                                      clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
+                stats = policy_update(model=model, optimizer=run.optimizer, samples=trained,
+                                      passes=passes, clip=(args.eps_low, args.eps_high),
+                                      beta=args.beta, tis_cap=args.tis_cap,
                                       grad_clip=args.grad_clip)
                 run.scheduler.step()
 

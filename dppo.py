@@ -252,8 +252,10 @@ def main():
             prompt_rows = [examined[k] for k in kept_q]  # indices into train_rows
             prompt_pi = [prompt_pi[k] for k in kept_q]
             batch = [train_rows[i] for i in prompt_rows]
-            outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature,
-                                      args.max_tokens, seed=rollout_seed(args.seed, step))
+            outputs = engine.generate([r["prompt_ids"] for r in batch], n=G,
+                                      temperature=args.temperature,
+                                      max_tokens=args.max_tokens,
+                                      seed=rollout_seed(args.seed, step))
             # outputs: per prompt, G (token ids, log-probs)
 
         # 2. reward, 3. group advantages  (docs/grpo.md#eq-advantage)
@@ -268,8 +270,8 @@ def main():
             for q, group in enumerate(outputs):
                 for i, (ids, logps) in enumerate(group):
                     sample = Sample(prompt_ids=batch[q]["prompt_ids"], completion_ids=ids,
-                                    reward=rewards[q, i].item(),
-                                    advantage=advantages[q, i].item(), sample_logps=logps)
+                                    reward=float(rewards[q, i]),
+                                    advantage=float(advantages[q, i]), sample_logps=logps)
                     samples.append(sample)
             update_history(history, prompt_rows, rewards)
             # completion pruning on the full groups' advantages, importance weights
@@ -282,25 +284,27 @@ def main():
                                                      prompt_pi, completion_pi, kept_o,
                                                      len(examined), args.loss_agg, args.max_tokens)
             trained = [samples[i] for i in kept_o]  # the trainer sees the kept ones only
-            for s, c in zip(trained, coefs.tolist()):
-                s.coef = c
+            for sample, coef in zip(trained, coefs.tolist()):
+                sample.coef = coef
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
             if args.mu > 1:  # else on-policy: old = logp.detach()
-                for s, lp in zip(trained, sequence_logprobs(model, trained, passes)):
-                    s.old_logps = lp
+                for sample, logps in zip(trained, sequence_logprobs(model, trained, passes)):
+                    sample.old_logps = logps
             if run.ref_model is not None:  # beta = 0 loads no reference model
-                for s, lp in zip(trained, sequence_logprobs(run.ref_model, trained, passes)):
-                    s.ref_logps = lp
+                for sample, logps in zip(trained,
+                                         sequence_logprobs(run.ref_model, trained, passes)):
+                    sample.ref_logps = logps
         with timer("pack"):  # the update's micro-batches (docs/dppo.md#eq-density)
             lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in trained]
             bins = window_pack(lengths, args.token_budget, args.window)
             bins = [sorted(b) for b in bins]  # each bin in stream order: a group side by side
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, trained, passes, beta=args.beta,
-                                      clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
+                stats = policy_update(model=model, optimizer=run.optimizer, samples=trained,
+                                      passes=passes, clip=(args.eps_low, args.eps_high),
+                                      beta=args.beta, tis_cap=args.tis_cap,
                                       grad_clip=args.grad_clip, micro_batches=bins)
                 run.scheduler.step()
 

@@ -128,7 +128,6 @@ def main():
     run = setup(args, METHOD, reward, prompt, METRIC)
     model = run.model
     engine = run.engine
-    tokenizer = run.tokenizer
     passes = run.passes  # temperature, vocabulary, token budget: how the trainer's passes run
     train_rows = run.train_rows
     cursor = run.cursor
@@ -144,13 +143,15 @@ def main():
         with timer("rollout"):
             batch = [train_rows[i] for i in take_prompts(len(train_rows), cursor, B, args.seed)]
             cursor += B
-            outputs = engine.generate([r["prompt_ids"] for r in batch], G, args.temperature,
-                                      args.max_tokens, seed=rollout_seed(args.seed, step))
+            outputs = engine.generate([r["prompt_ids"] for r in batch], n=G,
+                                      temperature=args.temperature,
+                                      max_tokens=args.max_tokens,
+                                      seed=rollout_seed(args.seed, step))
             # outputs: per prompt, G (token ids, log-probs)
 
         # 2. reward, 3. group advantages  (docs/grpo.md#eq-advantage)
         with timer("reward"):
-            texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
+            texts = run.tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
             rows = [row for row in batch for _ in range(G)]  # each completion's dataset row
             rewards, reward_counts = score(texts, rows, reward)  # NaN: left unread
@@ -160,27 +161,29 @@ def main():
             for q, group in enumerate(outputs):
                 for i, (ids, logps) in enumerate(group):
                     sample = Sample(prompt_ids=batch[q]["prompt_ids"], completion_ids=ids,
-                                    reward=rewards[q, i].item(),
-                                    advantage=advantages[q, i].item(), sample_logps=logps)
+                                    reward=float(rewards[q, i]),
+                                    advantage=float(advantages[q, i]), sample_logps=logps)
                     samples.append(sample)
             trained = [s for s in samples if not math.isnan(s.reward)]  # an unread one: none
             lengths = [len(s.completion_ids) for s in trained]
             coefs = token_coefficients(lengths, args.loss_agg, max_len=args.max_tokens)
-            for s, c in zip(trained, coefs.tolist()):
-                s.coef = c
+            for sample, coef in zip(trained, coefs.tolist()):
+                sample.coef = coef
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
             if args.mu > 1:  # else on-policy: old = logp.detach()
-                for s, lp in zip(trained, sequence_logprobs(model, trained, passes)):
-                    s.old_logps = lp
+                for sample, logps in zip(trained, sequence_logprobs(model, trained, passes)):
+                    sample.old_logps = logps
             if run.ref_model is not None:  # beta = 0 loads no reference model
-                for s, lp in zip(trained, sequence_logprobs(run.ref_model, trained, passes)):
-                    s.ref_logps = lp
+                for sample, logps in zip(trained,
+                                         sequence_logprobs(run.ref_model, trained, passes)):
+                    sample.ref_logps = logps
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, trained, passes, beta=args.beta,
-                                      clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
+                stats = policy_update(model=model, optimizer=run.optimizer, samples=trained,
+                                      passes=passes, clip=(args.eps_low, args.eps_high),
+                                      beta=args.beta, tis_cap=args.tis_cap,
                                       grad_clip=args.grad_clip)
                 run.scheduler.step()
 

@@ -206,8 +206,9 @@ def main():
             new = [train_rows[i] for i in take_prompts(len(train_rows), cursor, n, args.seed)]
             cursor += n
             with timer("rollout"):  # new seed slots each round
-                out = engine.generate([r["prompt_ids"] for r in new], G, args.temperature,
-                                      args.max_tokens,
+                out = engine.generate([r["prompt_ids"] for r in new], n=G,
+                                      temperature=args.temperature,
+                                      max_tokens=args.max_tokens,
                                       seed=rollout_seed(args.seed, step, len(batch) * G))
             with timer("reward"):
                 texts = tokenizer.batch_decode([ids for group in out for ids, _ in group],
@@ -240,27 +241,29 @@ def main():
             for q, group in enumerate(outputs):
                 for i, (ids, logps) in enumerate(group):
                     sample = Sample(prompt_ids=batch[q]["prompt_ids"], completion_ids=ids,
-                                    reward=rewards[q, i].item(),
-                                    advantage=advantages[q, i].item(), sample_logps=logps)
+                                    reward=float(rewards[q, i]),
+                                    advantage=float(advantages[q, i]), sample_logps=logps)
                     samples.append(sample)
             train, coefs = rows_to_train(samples, args.loss_agg, args.max_tokens, B * G,
                                          args.skip_tied and args.beta == 0)
             trained = [samples[i] for i in train]
-            for s, c in zip(trained, coefs.tolist()):
-                s.coef = c
+            for sample, coef in zip(trained, coefs.tolist()):
+                sample.coef = coef
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
             if args.mu > 1:  # else on-policy: old = logp.detach()
-                for s, lp in zip(trained, sequence_logprobs(model, trained, passes)):
-                    s.old_logps = lp
+                for sample, logps in zip(trained, sequence_logprobs(model, trained, passes)):
+                    sample.old_logps = logps
             if run.ref_model is not None:  # beta = 0 loads no reference model
-                for s, lp in zip(trained, sequence_logprobs(run.ref_model, trained, passes)):
-                    s.ref_logps = lp
+                for sample, logps in zip(trained,
+                                         sequence_logprobs(run.ref_model, trained, passes)):
+                    sample.ref_logps = logps
         with timer("update"):
             for _ in range(args.mu):
-                stats = policy_update(model, run.optimizer, trained, passes, beta=args.beta,
-                                      clip=(args.eps_low, args.eps_high), tis_cap=args.tis_cap,
+                stats = policy_update(model=model, optimizer=run.optimizer, samples=trained,
+                                      passes=passes, clip=(args.eps_low, args.eps_high),
+                                      beta=args.beta, tis_cap=args.tis_cap,
                                       grad_clip=args.grad_clip)
                 run.scheduler.step()
 

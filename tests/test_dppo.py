@@ -61,6 +61,10 @@ def test_history_remembers_whether_each_group_tied():
     rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     assert (dppo.update_history(history, [4, 8, 15], rewards)
             == {4: True, 8: False, 15: True, 99: True})
+    # an answer left unread (NaN) ties nothing: [1, NaN, 1] tied, [0, NaN, 1] not
+    nan = math.nan
+    assert dppo.update_history({}, [1, 2], torch.tensor([[1.0, nan, 1.0], [0.0, nan, 1.0]])) == {
+        1: True, 2: False}
 
 
 def test_systematic_sample_by_hand_and_inclusion_probabilities_exact():
@@ -301,7 +305,7 @@ def run(args, timeout=600):
     (["--prune_prompts", "1"], "--prune_prompts and --prune_completions must be in [0, 1)"),
     (["--prune_prompts", "-0.1"], "--prune_prompts and --prune_completions must be in [0, 1)"),
     (["--prune_completions", "1.0"], "--prune_prompts and --prune_completions must be in [0, 1)"),
-    (["--prune_completions", "nan"], "--prune_prompts and --prune_completions must be in [0, 1)"),
+    (["--prune_completions", "nan"], "--prune_completions must be a finite number (got nan)"),
     (["--keep_floor", "0"], "--keep_floor in (0, 1]"),
     (["--keep_floor", "1.5"], "--keep_floor in (0, 1]"),
     (["--window", "0"], "--window and --lookahead must be at least 1 (got 0, 2.0)"),

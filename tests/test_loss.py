@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from common import (Passes, group_advantages, packed_logprobs, policy_update, token_coefficients,
+from common import (Passes, group_advantages, packed_logprobs, policy_update, tied_groups,
+                    token_coefficients,
                     token_loss)
 from conftest import RecordingOptimizer, assert_grads_close, make_samples
 
@@ -40,6 +41,24 @@ def test_advantages_all_equal_groups_are_zero_never_nan():
         assert a[3].sum().abs() < 1e-6 and a[3, 0] > 0 > a[3, 1]
     # G = 1: no baseline, no signal
     assert (group_advantages([[1.0], [0.0]], "population") == 0).all()
+
+
+def test_an_unread_answer_counts_in_no_mean_or_std():
+    """NaN (an answer score() left unread): advantage 0, and the group's mean and std are those of
+    the rewards read. [1, 0, NaN]: mean 0.5, unbiased std sqrt(0.5), A = +-0.5 / sqrt(0.5); the
+    population std 0.5, A = +-1. [1, NaN, NaN] and [NaN, NaN, NaN] are tied: all 0."""
+    nan = math.nan
+    r = [[1.0, 0.0, nan], [1.0, nan, nan], [nan, nan, nan], [0.0, 1.0, 1.0]]
+    a = group_advantages(r, "unbiased", eps=0.0)
+    half = 0.5 / math.sqrt(0.5)
+    torch.testing.assert_close(a[0], torch.tensor([half, -half, 0.0]))
+    assert (a[1:3] == 0).all() and torch.isfinite(a).all()
+    torch.testing.assert_close(a[3], group_advantages([[0.0, 1.0, 1.0]], "unbiased", eps=0.0)[0])
+    torch.testing.assert_close(group_advantages(r, "population", eps=0.0)[0],
+                               torch.tensor([1.0, -1.0, 0.0]))
+    torch.testing.assert_close(group_advantages(r, "none")[0], torch.tensor([0.5, -0.5, 0.0]))
+    assert tied_groups(r).tolist() == [False, True, True, False]
+    assert tied_groups([[0.3, 0.3], [nan, 0.3], [0.3, 0.2]]).tolist() == [True, True, False]
 
 
 def test_token_coefficients_by_hand():

@@ -327,3 +327,15 @@ def test_help_explains_the_mmr_flags():
     assert (result.returncode == 0 and "--embed_model" in result.stdout
             and "--no_sim_floor" in result.stdout)
     assert "all-MiniLM-L6-v2" in result.stdout and "official code" in result.stdout
+
+
+def test_a_group_with_an_unread_answer_is_left_out_whole():
+    """A NaN reward (an answer score left unread): that group's reweighted rewards are all NaN, so
+    group_advantages gives each of its completions 0; the other groups are reweighted as alone."""
+    rewards = torch.tensor([[1.0, math.nan, 0.0], [1.0, 0.0, 0.0]])
+    embeddings = torch.eye(6)[:, :4]  # [6, 4]
+    new, lam, _ = mmr_reweight(rewards, embeddings)
+    assert torch.isnan(new[0]).all() and torch.isnan(lam[0])
+    alone, lam_alone, _ = mmr_reweight(rewards[1:], embeddings[3:])
+    torch.testing.assert_close(new[1], alone[0])
+    assert (group_advantages(new)[0] == 0).all()

@@ -17,10 +17,10 @@ from conftest import (ARCH_CONFIGS, POST_HEAD, TINY_VOCAB, RecordingOptimizer, a
                       build_arch, make_samples)
 
 import common
-from common import (PACKED, Passes, Sample, chunked_logprobs, flash_attention, flash_layout,
-                    load_model, make_optimizer, pack_microbatches, packed_inputs, packed_logprobs,
-                    policy_update, seq_layout, sequence_logprobs, token_coefficients,
-                    varlen_attention)
+from common import (PACKED, Passes, Sample, chunked_logprobs, first_slots, flash_attention,
+                    flash_layout, load_model, make_optimizer, pack_microbatches, packed_inputs,
+                    packed_logprobs, policy_update, seq_layout, sequence_logprobs, shared_mask,
+                    token_coefficients, varlen_attention)
 
 
 def one_at_a_time(model, samples):
@@ -203,6 +203,15 @@ def test_a_model_that_soft_caps_attention_is_refused_by_varlen(tmp_path):
         load_model(folder, torch.device("cpu"), attn="varlen")
     model = load_model(folder, torch.device("cpu"), attn="eager")
     assert model.config.attn_logit_softcapping == 50.0
+
+
+def test_shared_mask_and_first_slots_docstring_examples():
+    """The two helpers of seq_layout, by their docstrings' examples."""
+    mask = shared_mask([2, 1], query_len=2, key_len=4)  # [2, 1, 2, 4]
+    assert mask.astype(int).tolist() == [[[[1, 1, 1, 0], [1, 1, 1, 1]]],
+                                         [[[1, 1, 0, 0], [1, 1, 1, 0]]]]
+    assert list(first_slots([0, 1, 2, 2, 3])) == [0, 1, 2, 4]
+    assert list(first_slots([3, 0, 1, 0, 2])) == [1, 2, 4, 0]  # padding repeats a placed row
 
 
 def test_seq_layout_docstring_example():

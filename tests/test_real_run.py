@@ -81,6 +81,25 @@ def test_engine_weights_merge_the_adapter_under_the_base_names(tiny_dir, lora_mo
     assert dict(engine_weights(full)).keys() == full.state_dict().keys()
 
 
+def test_engine_weights_know_the_adapter_by_its_path_segments():
+    """A base module whose name merely contains 'lora_' (here `explora_proj`) is pushed; the
+    adapter's own .lora_A. / .lora_B. tensors are not."""
+    import peft
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.explora_proj = torch.nn.Linear(4, 4)
+            self.out_proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.out_proj(self.explora_proj(x))
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["out_proj"], lora_dropout=0.0)
+    pushed = dict(engine_weights(peft.get_peft_model(Tiny(), config)))
+    assert set(pushed) == {"explora_proj.weight", "explora_proj.bias", "out_proj.weight",
+                           "out_proj.bias"}
+
+
 def test_lora_toy_run_with_the_vllm_engine_then_resume(tmp_path):
     """--lora_r on the toy with the real vLLM engine: the engine's log-probs match the trainer's
     (the merged weights were pushed), the reference starts equal to the policy (kl 0 at step 1),
@@ -240,6 +259,8 @@ def test_the_tracker_gets_every_row(tmp_path):
     assert len(tracked) == len(logged) == 3
     for want, got in zip(logged, tracked):
         assert all(got[k] == v for k, v in want.items()), (want, got)
+    # the step is the tracker's own step, not a key logged twice (trackio renamed it, and warned)
+    assert "Reserved keys renamed" not in result.stderr + result.stdout
 
 
 def test_report_to_a_missing_tracker_is_one_line(tmp_path, main_of):

@@ -227,3 +227,14 @@ def test_two_grpo_bad_input_and_help(tmp_path, main_of):
     from dataclasses import fields
     for f in fields(two_grpo.Args):
         assert f"--{f.name}" in result.stdout and f.metadata["help"].split()[0] in result.stdout
+
+
+def test_an_unread_answer_is_never_trained_on():
+    """rows_to_train keeps a row only if its reward was read (not NaN) and, skipping tied pairs,
+    its advantage is not 0."""
+    rewards = [1.0, 0.0, float("nan"), 1.0]
+    advantages = [1.0, -1.0, 0.0, 0.0]
+    samples = [Sample(prompt_ids=[1], completion_ids=[2, 3], reward=r, advantage=a)
+               for r, a in zip(rewards, advantages)]
+    assert rows_to_train(samples, "seq_mean", 4, 4, skip_tied=True)[0] == [0, 1]
+    assert rows_to_train(samples, "seq_mean", 4, 4, skip_tied=False)[0] == [0, 1, 3]
