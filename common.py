@@ -226,12 +226,31 @@ ANCHOR = r"(?i)\b(?:final answer|answer)\s*(?:\*\*\s*)?(?:is\b|:)\s*(?:\*\*\s*)?
 # \frac{3}{4}, \frac43, 1\frac{4}{5}
 NUMBER_GOLD = re.compile(r"(?=\D*\d)(?:\\\$)?-?(?:\d[\d,]*)?(?:\.\d+)?"
                          r"(?:/\d+|\s*\\[dt]?frac\s*(?:\d|\{\d+\})\s*(?:\d|\{\d+\}))?")
-# what is not part of the value: brackets, braces, LaTeX's spaces ('82\,+\,57' is '82+57')
-SPACING = re.compile(r"\\left|\\right|\\[,:;! ]|\\q?quad|\\text\{\s*\}|~|[\s{}()\[\]$]")
-# scientific notation is a number: 1.5 \times 10^{6}, 10^{-3}
-SCIENTIFIC = re.compile(r"(?:\d(?:\.\d+)?(?:\\times|\\cdot|\*|×|·))?10\^-?\d+")
-# a number, an operation (sum, difference, product, power), a number: '82+57', '3\times4', '2^10'
-OPERATION = re.compile(r"\d(?:\*\*|[-+*×·^−∗⋅]|\\times|\\cdot|\\ast)-?\d")
+# the last side of a chain is what an answer commits to: '82 + 57 = 139', '82+57 → 139',
+# '82 + 57 \Rightarrow 139', 'a => b', 'a -> b', 'a \to b', '\implies', '\longrightarrow'; not the
+# '=' of '<=', '>=', '!='
+COMMIT = re.compile(r"(?<![<>!])=>?|->|[→⇒⟹]"
+                    r"|\\(?:to|implies|(?:[lL]ong)?[rR]ightarrow)(?![a-zA-Z])")
+# a working in brackets (one level nested) after a value (a number, then no '=' or arrow) and a
+# space, and the punctuation that ends it: '36 dollars (3 * 12).', 'x = 243 (3 * (16.5 + 64.5))';
+# not '2(69.5)', with no space, a product, nor '= (139)', with no value before it
+WORKING = re.compile(r"(\d[^()=→⇒]*?)\s\((?:[^()]|\([^()]*\))*\)[\s.,;]*$")
+# what is not part of the value: braces, LaTeX's spaces ('82\,+\,57' is '82+57'); brackets stay,
+# since a number against a bracket is a product ('2(69.5)')
+SPACING = re.compile(r"\\left|\\right|\\[,:;! ]|\\q?quad|\\text\{\s*\}|~|[\s{}$]")
+# scientific notation is a number: 1.5 \times 10^{6}, 10^{-3}; not 13900 \times 10^{-2}, whose
+# mantissa is no single digit
+SCIENTIFIC = re.compile(r"(?:(?<![\d.])\d(?:\.\d+)?(?:\\times|\\cdot|\*|×|·))?10\^-?\d+")
+# numbers side by side, which math-verify multiplies or adds: '69.5 2', '2 \quad 69.5', '82 57'
+APART = re.compile(r"(?<=\d)(?:\s|\\[,:;! ]|\\q?quad|~)+(?=\d)")
+# what commits to no number: no digit at all ('x', '?', '...', '\square', ''); or a number, an
+# operation (sum, difference, product, quotient, power), a number or a fraction, brackets around
+# either allowed: '82+57', '(82)+57', '3\times4', '3×−4', '278÷2', '2^10', '69.5*2' (APART's),
+# '1-\frac{5}{18}', '\frac12\cdot\frac12'; or a number against a bracket, a product: '2(69.5)',
+# '(2)(69.5)', '(2)69.5' (not '(A) 18', a choice's label); or a slash with a decimal or a bracket
+# beside it: '13.9/0.1', '278/(2)'. A fraction of whole numbers (3/4, 170/2) is a number.
+UNDONE = re.compile(r"^\D*$|\d[)\]]*(?:\*\*|[-+*×·^−∗⋅∙⋆÷]|\\times|\\cdot|\\ast|\\div)[(\[]*[-−]?"
+                    r"(?:\d|\\[dt]?frac)|\d[(\[]|\d[)\]]+[(\[]*[-−]?\d|\.\d+/\d|\d/\d*\.\d|[)\]]/|/[(\[]")
 
 
 class VerifyTimeout(BaseException):
@@ -305,13 +324,15 @@ def extract_answer(text):
     return final_answer(tag) or tag.strip()
 
 
-def is_computation(answer):
-    """True when the value math-verify would read (an equation's last side) is arithmetic on
-    numbers left undone: '82 + 57', 'x = 3 \\times 4', '2^{10}'. A fraction (3/4) or a sign (-5)
-    is not."""
-    value = answer.rstrip("=? ").rsplit("=", 1)[-1]  # '82 + 57 = ?' is '82 + 57'
-    compact = SCIENTIFIC.sub("1", SPACING.sub("", value))  # '{82} + (57)' is '82+57'
-    return OPERATION.search(compact) is not None
+def committed_value(answer):
+    """The value an answer commits to, for a gold that is a number: its chain's last side ('82+57
+    → 139' is '139'), a working in brackets after it aside ('36 dollars (3 * 12)' is '36 dollars');
+    None when that side holds no number ('82 + 57 = x', '= ?') or arithmetic left undone
+    ('82 + 57', '2(69.5)', '69.5 2', '278 ÷ 2'). A fraction (3/4) or a sign (-5) is a number."""
+    value = COMMIT.split(WORKING.sub(r"\1", answer))[-1]
+    value = re.sub(r"(?<=\d) (?=\d{3}(?!\d))", "", value)  # '1 000' is 1000, not 1 * 000
+    compact = SCIENTIFIC.sub("1", SPACING.sub("", APART.sub("*", value)))  # '{82} + 57' is '82+57'
+    return None if UNDONE.search(compact) else value
 
 
 def math_reward(completion, gold, timeout=5.0, counts=None):
@@ -327,10 +348,13 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
         return 0.0
     # 1\,000: LaTeX's thin space between digit groups, which math-verify would read as 1 * 000
     answer = re.sub(r"(?<=\d)\\,(?=\d{3}(?!\d))", "", answer)
-    # a number is matched by a number: '82 + 57' (the question copied) is not paid for 139,
-    # though math-verify would evaluate it (docs/grpo.md#reward)
-    if NUMBER_GOLD.fullmatch(str(gold).strip()) and is_computation(answer):
-        return 0.0
+    # a number is matched by the number the answer commits to, and math-verify judges that alone:
+    # '82 + 57' (the question copied) or '82 + 57 = x' is not paid for 139, nor '35 dollars
+    # (3 * 12)' for 36, though math-verify would pay each (docs/grpo.md#reward)
+    if NUMBER_GOLD.fullmatch(str(gold).strip()):
+        answer = committed_value(answer)
+        if answer is None:
+            return 0.0
     latex = [LatexExtractionConfig(boxed_match_priority=0)]
     try:
         with time_limit(timeout):  # math-verify's own alarms off: one timer, ours

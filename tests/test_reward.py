@@ -1,6 +1,7 @@
 """math_reward: right and wrong answers in GSM8K and MATH style, what math-verify pays beyond
-them, no credit without a final answer, no credit for arithmetic left undone against a number,
-bounded time (and no alarm off the main thread), never raises, failures counted."""
+them, no credit without a final answer, against a number only the number the answer commits to
+(no credit for arithmetic left undone or an equation left open), bounded time (and no alarm off
+the main thread), never raises, failures counted."""
 import collections
 import concurrent.futures
 import multiprocessing
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from common import VerifyTimeout, extract_answer, is_computation, math_reward, score, time_limit
+from common import VerifyTimeout, committed_value, extract_answer, math_reward, score, time_limit
 from common import gold_answer
 
 RIGHT = [  # (completion, gold): each must score 1.0
@@ -82,8 +83,22 @@ RIGHT = [  # (completion, gold): each must score 1.0
     # LaTeX's thin space as a thousands separator (math-verify alone: 1 * 000)
     ("<answer>1\\,000</answer>", "1000"),
     ("\\boxed{1\\,234\\,567}", "1234567"),
+    ("<answer>1 000</answer>", "1000"),  # a space between digit groups: math-verify's text reading
+    ("<answer>1 234 567 dollars</answer>", "1234567"),
     # a number with its working: the value read is the equation's last side
     ("<answer>82 + 57 = 139</answer>", "139"),
+    # the working shown otherwise, which the old pattern list refused though math-verify alone pays
+    # each: the last side of an arrow, or a working in brackets after the value
+    ("<answer>36 dollars (3 * 12)</answer>", "36"),
+    ("<answer>The total is 139 (82+57).</answer>", "139"),
+    ("<answer>82+57 \u2192 139</answer>", "139"),
+    ("<answer>82 + 57 \\Rightarrow 139</answer>", "139"),
+    ("<answer>82 + 57 \\to 139</answer>", "139"),
+    ("<answer>82+57 => 139</answer>", "139"),
+    ("<answer>x = 139 (82 + 57)</answer>", "139"),
+    ("<answer>82 + 57 = 139 (check: 139 - 57 = 82)</answer>", "139"),  # an '=' in the working
+    ("<answer>x = (139)</answer>", "139"),  # the brackets are the value
+    ("<answer>(C) 18</answer>", "18"),  # a choice's label is no product
     # an expression gold is math-verify's to judge: the computation is the answer
     ("<answer>2^{10}</answer>", "2^{10}"),
     ("<answer>x+1</answer>", "x+1"),
@@ -120,9 +135,14 @@ WRONG = [  # each must score 0.0
     ("<answer>12 \u0661\u0663</answer>", "12"),  # a second number in other digits
     ("<answer>0.333</answer>", "1/3"),  # close is not equal: 6 decimal places are
     ("<answer>18.0001</answer>", "18"),
+    # a working in brackets is not the value: math-verify alone pays this one
+    ("<answer>35 dollars (3 * 12)</answer>", "36"),
+    ("<answer>140 (82 + 57 = 139)</answer>", "139"),
+    ("<answer>1 000</answer>", "0"),  # digit groups, not the product 1 \cdot 000
 ]
-# Arithmetic on numbers left undone, against a number: math-verify would evaluate it and pay, but a
-# number must be matched by a number (docs/grpo.md#reward). Each copies the question, or part of it.
+# Arithmetic on numbers left undone, or an equation left open, against a number: math-verify would
+# evaluate it and pay, but a number must be matched by the number the answer commits to
+# (docs/grpo.md#reward). Each copies the question, or part of it.
 COMPUTATIONS = [
     ("<answer>82 + 57</answer>", "139"),  # the chains and toy questions are sums
     ("answer: 47+38", "85"),  # after the anchor
@@ -140,6 +160,33 @@ COMPUTATIONS = [
     ("<answer>The total is 82 + 57</answer>", "139"),  # in words
     ("<answer>4 + 2/3</answer>", "\\frac{14}{3}"),  # against a fraction too
     ("<answer>-3 - 4</answer>", "-7"),  # against a negative number
+    # the old pattern list paid these. An unknown on the committed side commits to nothing
+    ("<answer>82 + 57 = x</answer>", "139"),
+    ("<answer>82 + 57 = ?.</answer>", "139"),
+    ("<answer>82 + 57 = ...</answer>", "139"),
+    ("<answer>82 + 57 = ___</answer>", "139"),
+    ("<answer>82 + 57 = \\square</answer>", "139"),
+    ("<answer>82 + 57 \u2192 ?</answer>", "139"),
+    # and these: a product by juxtaposition, a Unicode minus, a quotient
+    ("<answer>2(69.5)</answer>", "139"),
+    ("<answer>(2)(69.5)</answer>", "139"),
+    ("<answer>(2)69.5</answer>", "139"),
+    ("<answer>2 \\left(69.5\\right)</answer>", "139"),
+    ("<answer>3 \u00d7 \u22124</answer>", "-12"),
+    ("<answer>278 \u00f7 2</answer>", "139"),
+    ("<answer>278 \\div 2</answer>", "139"),
+    ("<answer>2 \u22c6 69.5</answer>", "139"),
+    # numbers side by side: math-verify multiplies '69.5 2' and adds '82 57'
+    ("<answer>69.5 2</answer>", "139"),
+    ("<answer>2 \\quad 69.5</answer>", "139"),
+    ("<answer>82 57</answer>", "139"),
+    ("<answer>13900 \\times 10^{-2}</answer>", "139"),  # no scientific notation: a product
+    # an operation on fractions, a division by a decimal or a bracket
+    ("<answer>1-\\frac{5}{18}</answer>", "\\frac{13}{18}"),
+    ("\\boxed{\\frac12 \\cdot \\frac12}", "\\frac14"),
+    ("<answer>998 + \\frac{1}{2}</answer>", "\\frac{1997}{2}"),
+    ("<answer>13.9/0.1</answer>", "139"),
+    ("<answer>278/(2)</answer>", "139"),
 ]
 # (completion, gold, why): the old single-value reader refused these; math-verify pays them,
 # reading the answer as LaTeX (which evaluates) and as plain text (which takes a number out of the
@@ -196,7 +243,7 @@ def test_arithmetic_left_undone_is_not_paid_for_a_number(completion, gold):
     """math-verify alone pays each of these (the sum is evaluated): the check before it refuses."""
     from math_verify import parse, verify
     answer = extract_answer(completion)
-    assert is_computation(answer), answer
+    assert committed_value(answer) is None, answer
     assert math_reward(completion, gold) == 0.0
     # without the check math-verify pays it: the test can fail
     as_latex = parse(f"\\boxed{{{answer}}}")
@@ -205,14 +252,26 @@ def test_arithmetic_left_undone_is_not_paid_for_a_number(completion, gold):
     assert verify(gold_value, as_latex) or verify(gold_value, as_text), completion
 
 
-def test_what_is_a_computation():
-    computed = ["82+57", "82 + 57", "3\\times 4", "3 \\cdot4", "2^{10}", "(3)(4) = 3*4", "-3 - 4"]
-    for answer in computed:
-        assert is_computation(answer), answer
-    numbers = ["139", "-5", "- 5", "3/4", "\\frac{3}{4}", "1,000", "18 m^2", "x^2", "82 + 57 = 139",
-               "18 dollars", "2x", "$18/day"]
+def test_what_an_answer_commits_to():
+    """The chain's last side, a working in brackets after it aside; None for arithmetic left undone
+    or no number there."""
+    nothing = ["82+57", "82 + 57", "3\\times 4", "3 \\cdot4", "2^{10}", "(3)(4) = 3*4", "-3 - 4",
+               "82 + 57 = x", "= ?", "82 + 57 =", "2(69.5)", "(2)(69.5)", "3 \u00d7 \u22124",
+               "278 \u00f7 2", "(82 + 57)", "x = (82 + 57)", "82 + 57 = (x)", "2 (69.5) dollars",
+               "69.5 2", "2\\,69.5", "12 13", "13900 \\times 10^{-2}"]
+    for answer in nothing:
+        assert committed_value(answer) is None, answer
+    numbers = ["139", "-5", "- 5", "3/4", "\\frac{3}{4}", "1,000", "18 m^2", "x^2", "18 dollars",
+               "2x", "$18/day", "1.5 \\times 10^{6}", "10^{-3}", "\\$36", "(139)", "1\\frac{4}{5}",
+               "x >= 12", "(C) 18"]
     for answer in numbers:
-        assert not is_computation(answer), answer
+        assert committed_value(answer) == answer, answer
+    stated = {"82 + 57 = 139": "139", "82+57 \u2192 139": "139", "a \\Rightarrow 139": "139",
+              "36 dollars (3 * 12)": "36 dollars", "The total is 139 (82+57).": "The total is 139",
+              "2 (69.5)": "2", "x = (139)": "(139)", "140 (82 + 57 = 139)": "140",
+              "1 000 000": "1000000"}
+    for answer, value in stated.items():
+        assert committed_value(answer).strip() == value, answer
 
 
 def test_a_right_answer_scores_off_the_main_thread():
@@ -330,7 +389,11 @@ def test_pathological_latex_returns_within_the_time_limit():
 
 
 def test_timeouts_and_misses_are_counted():
-    rewards, counts = score(["nothing here", "\\boxed{1}"], ["1", "1"])
+    """score tallies math_reward's outcomes however a script's reward() calls it (here grpo.py's
+    default, which passes no counts of its own)."""
+    from grpo import reward
+    rows = [{"gold": "1"}, {"gold": "1"}]
+    rewards, counts = score(["nothing here", "\\boxed{1}"], rows, reward)
     assert rewards == [0.0, 1.0] and counts["no_answer"] == 1
     counts = collections.Counter()
     t0 = time.time()
