@@ -897,6 +897,26 @@ def primary_block():
     return {row[0]: row for row in rows}, " ".join(block.split())
 
 
+def test_results_md_section_5_is_what_bench_draws():
+    """Every line of bench.py's learning_section, drawn from the kept runs, stands in results.md
+    as it was set in by hand (the hand adds the rows of claims without pairs and plain text)."""
+    import argparse
+    bench, _, _ = bench_claims()
+    results = {}
+    for key, run in kept_runs().items():
+        part, method, seed = key.split()
+        if part in ("learning", "paired", "ablation"):
+            results[part, "chains", method, int(seed)] = run
+    args = argparse.Namespace(target=None, methods=bench.METHODS, seeds=seeds())
+    figures = {}
+    drawn = "\n".join(bench.learning_section(args, "chains", 5, results, figures)).splitlines()
+    bench.plt.close("all")
+    with open(os.path.join(REPO, "docs", "results.md"), encoding="utf-8") as f:
+        lines = set(f.read().splitlines())
+    missing = [line for line in drawn if line and line not in lines]
+    assert len(drawn) > 80 and not missing, missing[:3]
+
+
 def test_the_primary_claims_are_what_bench_fixes():
     """results.md#primary's table (fixed before the runs) and bench.py's PRIMARY, ABLATIONS, MARGIN
     and ALPHA say the same, and this file's copies too."""
