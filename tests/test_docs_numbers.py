@@ -6,8 +6,9 @@ doc's text with `@` where a number stands. What is checked is the numbers: each 
 doc beside the words next to it in the template (up to WINDOW characters on each side, whitespace
 and line breaks ignored) and equal the recomputed value at the precision it is printed with, so the
 test fails when a number or its arithmetic drifts, not when the prose around it is reworded.
-Measured numbers (timings, accuracies) are not recomputed, only what the docs derive from them.
-CPU, < 1 s.
+Measured numbers (timings, accuracies) are not recomputed, only what the docs derive from them;
+the chains runs' are, from their kept summaries. CPU; the primary claims import bench.py (torch,
+transformers: 5-20 s), the rest < 1 s.
 """
 import functools
 import json
@@ -480,19 +481,24 @@ def test_mmr_batch_sizes_and_toy_arithmetic():
 # ------------------------------------------------------------------------------------
 # the chains runs
 # docs/results/runs-chains.json keeps a summary of every chains run bench.py made (its flags; its
-# validation curve as (step, accuracy, training s so far, rollouts so far) at each evaluation; its
-# test accuracy at the end). What the pages say about the runs is recomputed from it here, with
-# this file's own arithmetic, not bench.py's.
+# validation curve as (step, accuracy, training s, rollouts and, once counted, generated tokens so
+# far) at each evaluation; its test accuracy at the end). What the pages say about the runs is
+# recomputed from it here with this file's own arithmetic; the primary claims also with bench.py's
+# own functions (bench_tables), so that the pages and the benchmark cannot drift apart.
 
-TARGET, BUDGET, LEAST_SEEDS = 0.85, 201, 6
+TARGET, BUDGET, LEAST_SEEDS, MARGIN = 0.85, 201, 6, 0.02
 METHODS = ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]
-# a table cell's word after its interval (`printed` keeps few)
-VERDICT = r"\]: ([a-z ]+?(?: at \d+ seeds)?) \|"
-WORDS = {"final test accuracy": ("more accurate", "less accurate"),
-         f"steps to {TARGET}": ("more steps", "fewer steps"),
-         f"training s to {TARGET}": ("slower", "faster"),
-         f"test accuracy at {BUDGET} s": ("more accurate",
-                                          "less accurate")}
+# the metrics of a run (run_values), in the order of results.md's per-seed table
+RUN_METRICS = ["final test accuracy", "best validation accuracy", "steps to peak",
+               f"steps to {TARGET}", f"questions to {TARGET}", f"training s to {TARGET}",
+               f"rollouts to {TARGET}", f"generated tokens to {TARGET}", "training s, whole run",
+               "rollouts, whole run"]
+EQUAL_TIME = "validation accuracy at equal time"
+RECIPES = ["final test accuracy", f"questions to {TARGET}", f"rollouts to {TARGET}",
+           f"training s to {TARGET}"]  # the method pages' tables against GRPO's recipe
+# the words a comparison may not carry unless it is a primary claim's verdict
+WORDS = ["faster", "slower", "more accurate", "less accurate", "fewer steps", "more steps",
+         "fewer rollouts", "more rollouts", "distinguishable"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -506,20 +512,31 @@ def seeds():
     return sorted(int(key.split()[2]) for key in kept_runs() if key.startswith("learning cppo "))
 
 
+def run_values(run, other=None):
+    """{metric: value} of one run (None: not reached, or tokens not counted in its summary); with
+    `other`, the run of the same seed it pairs with: the validation accuracy at equal time, its last
+    evaluation by the sooner end of the two (training s)."""
+    points = run["curve"]
+    best = max(p[1] for p in points)
+    hit = next((p for p in points if p[1] >= TARGET), None)
+    values = {"final test accuracy": run["test"], "best validation accuracy": best,
+              "steps to peak": next(p[0] for p in points if p[1] == best),
+              f"steps to {TARGET}": hit and hit[0],
+              f"questions to {TARGET}": hit and hit[3] / run["group"],
+              f"training s to {TARGET}": hit and hit[2], f"rollouts to {TARGET}": hit and hit[3],
+              f"generated tokens to {TARGET}": hit[4] if hit and len(hit) > 4 else None,
+              "training s, whole run": points[-1][2], "rollouts, whole run": points[-1][3]}
+    if other:
+        end = min(points[-1][2], other["curve"][-1][2])
+        values[EQUAL_TIME] = [p[1] for p in points if p[2] <= end][-1]
+    return values
+
+
 def chains_metrics(method):
-    """{metric: {seed: value}} of a method's chains runs, as the pages name the metrics."""
-    runs = {s: kept_runs()[f"learning {method} {s}"] for s in seeds()}
-    reached = {s: next((p for p in run["curve"] if p[1] >= TARGET), None)
-               for s, run in runs.items()}
-    budget = {s: (runs[s] if method == "grpo" else kept_runs()[f"budget {method} {s}"])["test"]
-              for s in seeds()}
-    return {"final test accuracy": {s: run["test"] for s, run in runs.items()},
-            "best validation accuracy": {s: max(p[1] for p in run["curve"])
-                                         for s, run in runs.items()},
-            f"steps to {TARGET}": {s: p[0] for s, p in reached.items() if p},
-            f"training s to {TARGET}": {s: p[2] for s, p in reached.items() if p},
-            "training s, whole run": {s: run["curve"][-1][2] for s, run in runs.items()},
-            f"test accuracy at {BUDGET} s": budget}
+    """{metric: {seed: value}} of a method's learning runs (seeds without a value left out)."""
+    runs = {s: run_values(kept_runs()[f"learning {method} {s}"]) for s in seeds()}
+    return {name: {s: v[name] for s, v in runs.items() if v[name] is not None}
+            for name in RUN_METRICS}
 
 
 # the t distribution's 95th percentile at 1-5 degrees of freedom (tables)
@@ -527,38 +544,31 @@ def chains_metrics(method):
 T_95 = {1: 6.313751515, 2: 2.91998558, 3: 2.353363435, 4: 2.131846786, 5: 2.015048373}
 
 
-def against_grpo(values, base):
-    """The decision rule: mean difference over the paired seeds, 5th and 95th percentiles of 10,000
-    bootstrap means (numpy seed 0), the number of pairs, whether it calls a direction (>= 6 pairs,
-    the bootstrap interval and the 90 % t-interval both on one side of 0) and the t-interval."""
+def intervals(values, base):
+    """An estimate: the mean difference over the paired seeds, the 5th and 95th percentiles of
+    10,000 bootstrap means (numpy seed 0), the number of pairs and the 90 % t-interval."""
     pairs = sorted(set(values) & set(base))
     d = np.array([values[s] - base[s] for s in pairs])
     boot = np.random.default_rng(0).choice(d, (10000, len(d))).mean(axis=1)
     low, high = np.percentile(boot, 5), np.percentile(boot, 95)
     half = T_95.get(len(d) - 1, np.nan) * d.std(ddof=1) / np.sqrt(len(d))
-    t_low, t_high = d.mean() - half, d.mean() + half
-    up = low > 0 and t_low > 0
-    down = high < 0 and t_high < 0
-    sure = len(d) >= LEAST_SEEDS and (up or down)
-    return d.mean(), low, high, len(d), sure, t_low, t_high
+    return d.mean(), low, high, len(d), d.mean() - half, d.mean() + half
 
 
-def test_the_rule_by_hand():
-    """The second check decides: both intervals are worked out by hand for six paired seeds."""
+def test_the_intervals_by_hand():
+    """Both intervals, worked out by hand for six paired seeds."""
     base = {s: 0.0 for s in range(6)}
     # d = 0.1, 0, 0.1, 0, 0.1, 0: mean 0.05; sd = sqrt(6 x 0.05^2 / 5) = 0.054772; half-width
     # 2.015048 x 0.054772 / sqrt(6) = 0.045058; a bootstrap mean is 0 only when all six draws
-    # are 0 (1/64 < 5 %), so both intervals exclude 0: called
-    diff, low, high, n, sure, t_low, t_high = against_grpo(
-        dict(enumerate([0.1, 0.0, 0.1, 0.0, 0.1, 0.0])), base)
+    # are 0 (1/64 < 5 %), so the bootstrap interval's low end is above 0
+    diff, low, high, n, t_low, t_high = intervals(dict(enumerate([0.1, 0, 0.1, 0, 0.1, 0])), base)
     assert (round(diff, 12), n) == (0.05, 6) and low > 0
-    assert abs(t_low - 0.004942) < 1e-6 and abs(t_high - 0.095058) < 1e-6 and sure
+    assert abs(t_low - 0.004942) < 1e-6 and abs(t_high - 0.095058) < 1e-6
     # d = 0.3, 0, 0, 0.05, 0.05, 0.05: mean 0.075; squared deviations sum to 0.06375, sd =
-    # sqrt(0.06375 / 5) = 0.112916, half-width 0.092889: t [-0.017889, +0.167889]; the
-    # bootstrap's 5th percentile is 1/6 x 0.1 > 0, yet the rule does not call it
-    diff, low, high, n, sure, t_low, t_high = against_grpo(
+    # sqrt(0.06375 / 5) = 0.112916, half-width 0.092889: t [-0.017889, +0.167889]
+    diff, low, high, n, t_low, t_high = intervals(
         dict(enumerate([0.3, 0.0, 0.0, 0.05, 0.05, 0.05])), base)
-    assert low > 0 and abs(t_low + 0.017889) < 1e-6 and not sure
+    assert low > 0 and abs(t_low + 0.017889) < 1e-6
 
 
 def test_chains_runs_are_complete_and_each_ran_its_default_command():
@@ -571,55 +581,75 @@ def test_chains_runs_are_complete_and_each_ran_its_default_command():
                                     "--seed", str(s)], (m, s)
             assert (run["engine"] == "VLLMEngine" and 0 <= run["test"] <= 1
                     and run["curve"][0][0] == 0)
-            if m != "grpo":
-                budget = runs[f"budget {m} {s}"]
-                assert (budget["flags"][:6] == run["flags"]
-                        and budget["flags"][6:8] == ["--time_budget", str(BUDGET)])
-                # ended by the budget
-                assert budget["curve"][-1][2] >= BUDGET > budget["curve"][-1][2] - 30
     assert len(seeds()) >= 2 and [f"learning grpo {s}" in runs for s in range(3)] == [True] * 3
 
 
-def test_results_md_prints_every_seed_and_the_rule():
-    rule_words = []  # the rule's word for each comparison, in full
+def cells(table, seeds_, spec=None):
+    """'@ (@ / – / @)': a page's cell, the mean then seed by seed; and its values."""
+    text = "@ (" + " / ".join("@" if s in table else "–" for s in seeds_) + ")"
+    return text, [float(np.mean(list(table.values()))), *(table[s] for s in seeds_ if s in table)]
+
+
+def test_results_md_prints_every_seed():
+    """results.md §5's per-seed table: every metric of every learning run and of every pair."""
     for m in METHODS:
         for name, values in chains_metrics(m).items():
-            if not values:
-                continue
-            cells = " | ".join("@" if s in values else "" for s in seeds())
-            printed("results.md", f"| {m} | {name} | {cells} | @ (@ seeds) |",
-                    *(values[s] for s in seeds() if s in values),
-                    float(np.mean(list(values.values()))), len(values))
+            row = " | ".join("@" if s in values else "–" for s in seeds())
+            if values:
+                printed("results.md", f"| {m} | {name} | {row} | @ (@ seeds) |",
+                        *(values[s] for s in seeds() if s in values),
+                        float(np.mean(list(values.values()))), len(values))
+            else:  # generated tokens: not counted before the pairs
+                assert f"| {m} | {name} | {row} | - |" in doc("results.md")
+    for m in [m for m in PAIRS if pair_seeds(m)]:  # none: results.md has no rows for it
+        for label, side in zip(("paired", "ablation"), pair_tables(m)):
+            for name, values in side.items():
+                row = " | ".join("@" if s in values else "–" for s in pair_seeds(m))
+                printed("results.md", f"| {m} {label} | {name} | {row} | @ (@ seeds) |",
+                        *(values[s] for s in pair_seeds(m) if s in values),
+                        float(np.mean(list(values.values()))), len(values))
+
+
+def test_results_md_estimates_carry_no_verdict_word():
+    """The recipes' and the ablations' tables: each cell the estimate recomputed here, and no word
+    after any interval on any page (only the primary claims have a verdict, in a column of its
+    own)."""
     grpo = chains_metrics("grpo")
     for m in METHODS[1:]:
         mine = chains_metrics(m)
-        for name in ["final test accuracy", f"steps to {TARGET}", f"training s to {TARGET}",
-                     f"test accuracy at {BUDGET} s"]:
-            diff, low, high, n, sure, t_low, t_high = against_grpo(mine[name], grpo[name])
-            words = (f": {WORDS[name][int(diff < 0)]}" if sure
-                     else f": not distinguishable at {n} seeds")
-            printed("results.md", f"| {m} | " * (name == "final test accuracy")
-                    + f"@ [@, @], t [@, @]{words}", diff, low, high, t_low, t_high)
-            rule_words.append(words)
-    for m in ABLATED:  # each method's kept pairs, seed by seed and its row of the ablations' table
-        seeds_ = pair_seeds(m)
-        for name, mine, base, numbers, word in pair_verdicts(m):
-            for label, table in zip(("paired", "ablation"), (mine, base)):
-                cells = " | ".join("@" if s in table else "–" for s in seeds_)
-                printed("results.md", f"| {m} {label} | {name} | {cells} | @ (@ seeds) |",
-                        *(table[s] for s in seeds_ if s in table),
-                        float(np.mean(list(table.values()))), len(table))
-            printed("results.md", f"| {m} paired | " * (name == PAIR_METRICS[0])
-                    + f"@ [@, @], t [@, @]: {word}", *numbers)
-            rule_words.append(f": {word}")
-    assert sorted(re.findall(VERDICT, doc("results.md"))) == sorted(w[2:] for w in rule_words)
-    printed("results.md", "This section makes @ comparisons", len(rule_words))
+        numbers = [x for name in ["final test accuracy", f"steps to {TARGET}",
+                                  f"training s to {TARGET}"]
+                   for x in intervals(mine[name], grpo[name]) if not isinstance(x, int)]
+        printed("results.md", f"| {m} | " + " | ".join(["@ [@, @], t [@, @]"] * 3) + " |",
+                *numbers)
+    for m in [m for m in PAIRS if pair_seeds(m)]:
+        on, off = pair_tables(m)
+        names = [f"questions to {TARGET}", f"training s to {TARGET}", f"rollouts to {TARGET}",
+                 f"generated tokens to {TARGET}", EQUAL_TIME, "final test accuracy",
+                 "best validation accuracy", "steps to peak", "training s, whole run"]
+        numbers = [x for name in names for x in intervals(on[name], off[name])
+                   if not isinstance(x, int)]
+        printed("results.md", f"| {m} paired | " + " | ".join(["@ [@, @], t [@, @]"] * 9) + " |",
+                *numbers)
+    for page in ["results.md", "../README.md"] + [f"{m}.md" for m in METHODS[1:]]:
+        assert not re.findall(r"\][,:;]? ?\(?(?:" + "|".join(WORDS) + ")", doc(page)), page
+        assert "not distinguishable" not in doc(page), page
+
+
+def test_results_md_quotes_the_learning_runs():
+    grpo, cppo = chains_metrics("grpo"), chains_metrics("cppo")
     finals = grpo["final test accuracy"].values()
     printed("results.md", "GRPO's final test accuracies over these seeds span @ to @",
             min(finals), max(finals))
     printed("results.md", "so the six seeds the rule asks for took about 4.6 hours; this section "
-            "has all @",
-            len(seeds()))
+            "has all @", len(seeds()))
+    # the recipes' note: CPPO's questions to 0.85 against GRPO's (unequal steps)
+    questions, steps = f"questions to {TARGET}", f"steps to {TARGET}"
+    assert set(cppo[questions].values()) == {640} and set(cppo[steps].values()) == {10}
+    printed("results.md", "at its first evaluation in every seed, after @ questions (@ steps), "
+            "where GRPO's needed @ on average (@ steps)", 640, 10,
+            float(np.mean(list(grpo[questions].values()))),
+            float(np.mean(list(grpo[steps].values()))))
     # the machine's speed
     steps = {name: [kept_runs()[f"learning {m} {s}"]["phases"]["step_s"] for s in seeds()]
              for m, name in zip(METHODS, ["GRPO", "2-GRPO", "CPPO", "DPPO", "MMR-GRPO"])}
@@ -631,86 +661,60 @@ def test_results_md_prints_every_seed_and_the_rule():
             min(steps[widest]), max(steps[widest]))
 
 
-def test_method_pages_print_their_chains_table():
-    """Each method page's #chains table: mean (seed by seed) for the method and for GRPO, and the
-    difference with its 90 % interval and the rule's word, for the four metrics the rule
-    compares."""
+def test_method_pages_print_their_recipe_table():
+    """Each method page's #chains table against GRPO's recipe: mean (seed by seed) for the method
+    and for GRPO, and the difference with its two 90 % intervals; questions and rollouts, not
+    steps, which differ in size between recipes."""
     grpo = chains_metrics("grpo")
     for m in METHODS[1:]:
-        mine, verdicts = chains_metrics(m), []
-        for name in ["final test accuracy", f"steps to {TARGET}", f"training s to {TARGET}",
-                     f"test accuracy at {BUDGET} s"]:
-            cells, values = [], []
-            for table in (mine[name], grpo[name]):
-                cells.append("@ (" + " / ".join("@" if s in table else "–" for s in seeds()) + ")")
-                values += [float(np.mean(list(table.values()))),
-                           *(table[s] for s in seeds() if s in table)]
-            diff, low, high, n, sure, t_low, t_high = against_grpo(mine[name], grpo[name])
-            words = (f": {WORDS[name][int(diff < 0)]}" if sure
-                     else f": not distinguishable at {n} seeds")
-            printed(f"{m}.md", f"| {name} | {cells[0]} | {cells[1]} | @ [@, @], t [@, @]{words} |",
-                    *values, diff, low, high, t_low, t_high)
-            verdicts.append(words[2:])
-        verdicts += [words for *_, words in pair_verdicts(m)]  # and its ablation table's
-        assert sorted(re.findall(VERDICT, doc(f"{m}.md"))) == sorted(verdicts), m
+        mine = chains_metrics(m)
+        for name in RECIPES:
+            (left, a), (right, b) = cells(mine[name], seeds()), cells(grpo[name], seeds())
+            diff, low, high, _, t_low, t_high = intervals(mine[name], grpo[name])
+            printed(f"{m}.md", f"| {name} | {left} | {right} | @ [@, @], t [@, @] |", *a, *b,
+                    diff, low, high, t_low, t_high)
+        assert f"| steps to {TARGET} |" not in doc(f"{m}.md"), m
 
 
-def test_readme_which_method_when_quotes_the_same_means():
-    """README's chains verdict against GRPO (recipes) and MMR-GRPO's bullet (its flags are GRPO's,
-    so that comparison is its ablation): the called differences and the means it quotes."""
-    def mean(method, name):
-        values = chains_metrics(method)[name]
-        return float(np.mean(list(values.values())))
-    final, steps = "final test accuracy", f"steps to {TARGET}"
-    readme = "../README.md"
-    printed(readme, "it reached 0.85 after @ steps against GRPO's @, not distinguishable at @ "
-            "seeds",
-            mean("mmr_grpo", steps), mean("grpo", steps), len(seeds()))
-    assert f"*not distinguishable at {len(seeds())} seeds*" in doc("../README.md")
-    grpo = chains_metrics("grpo")
-    called = {(m, k): WORDS[k][int(stat[0] < 0)] for m in METHODS[1:] for k in WORDS
-              if (stat := against_grpo(chains_metrics(m)[k], grpo[k]))[4]}
-    # "at 6 seeds the rule calls two differences, both CPPO's"
-    assert called == {("cppo", final): "more accurate", ("cppo", steps): "fewer steps"}
-    assert f"at {len(seeds())} seeds the rule calls two differences, both CPPO's" in doc(readme)
-    assert ("its recipe is *more accurate* at the end and needs *fewer steps* to 0.85, with 8× the "
-            "rollouts a step" in doc("../README.md"))
-    finals = grpo[final].values()
-    printed(readme, "GRPO itself ended at a test accuracy of @–@ over the seeds", min(finals),
-            max(finals))
-    # what CPPO's recipe samples against GRPO's: 4x the questions, 8x the rollouts
-    cppo, base = kept_runs()["learning cppo 0"], kept_runs()["learning grpo 0"]
-    questions, rollouts, base_rollouts = (cppo["questions"], cppo["phases"]["rollouts"],
-                                          base["phases"]["rollouts"])
-    base_questions = base_rollouts / 8  # grpo.py's G on chains
-    printed(readme, "samples B/(1 − P) = @ questions × @ completions a step, @× GRPO's questions "
-            "and @× its rollouts (@ against @)", questions, rollouts / questions,
-            questions / base_questions, rollouts / base_rollouts, rollouts, base_rollouts)
-    printed("cppo.md", "samples B/(1 − P) = @ questions × @ = @ completions per step, @× GRPO's @ "
-            "questions and @× its @ rollouts", questions, rollouts / questions, rollouts,
-            questions / base_questions, base_questions, rollouts / base_rollouts, base_rollouts)
-
-
-def test_pages_quote_the_seed_spread_and_the_seed_counts():
-    """two_grpo.md and mmr_grpo.md set the gaps beside GRPO's own spread; 2-GRPO's page counts its
-    seeds ahead."""
-    final, budget = "final test accuracy", f"test accuracy at {BUDGET} s"
+def test_pages_quote_the_seed_spread():
+    final = "final test accuracy"
     grpo, two, mmr = chains_metrics("grpo"), chains_metrics("two_grpo"), chains_metrics("mmr_grpo")
     n = len(seeds())
-    printed("two_grpo.md", "2-GRPO ended higher than GRPO in @ of the @ seeds and scored higher "
-            "at 201 s in @, but "
-            "every interval spans zero, and GRPO's own final test accuracy spans @–@ over them",
-            sum(two[final][s] > grpo[final][s] for s in seeds()), n,
-            sum(two[budget][s] > grpo[budget][s] for s in seeds()), min(grpo[final].values()),
+    printed("two_grpo.md", "2-GRPO ended higher than GRPO in @ of the @ seeds, and GRPO's own "
+            "final test accuracy spans @–@ over them",
+            sum(two[final][s] > grpo[final][s] for s in seeds()), n, min(grpo[final].values()),
             max(grpo[final].values()))
-    for m in ("two_grpo", "mmr_grpo"):  # the pages' "every interval spans zero"
-        assert all(low <= 0 <= high for k in WORDS
-                   for _, low, high, _, _, _, _ in [against_grpo(chains_metrics(m)[k],
-                                                           grpo[k])]), m
     printed("mmr_grpo.md", "GRPO's own final test accuracy spans @–@ over these @ seeds "
             "(MMR-GRPO's @–@)",
             min(grpo[final].values()), max(grpo[final].values()), n, min(mmr[final].values()),
             max(mmr[final].values()))
+
+
+def test_cppo_md_and_readme_quote_cppos_recipe():
+    """cppo.md and README: what CPPO's recipe samples against GRPO's (4x the questions, 8x the
+    rollouts), and its first evaluation as an upper bound."""
+    cppo, base = kept_runs()["learning cppo 0"], kept_runs()["learning grpo 0"]
+    questions, rollouts, base_rollouts = (cppo["questions"], cppo["phases"]["rollouts"],
+                                          base["phases"]["rollouts"])
+    base_questions = base_rollouts / base["group"]
+    printed("../README.md", "samples B/(1 − P) = @ questions × @ completions a step, @× GRPO's "
+            "questions and @× its rollouts (@ against @)", questions, rollouts / questions,
+            questions / base_questions, rollouts / base_rollouts, rollouts, base_rollouts)
+    printed("cppo.md", "samples B/(1 − P) = @ questions × @ = @ completions per step, @× GRPO's @ "
+            "questions and @× its @ rollouts", questions, rollouts / questions, rollouts,
+            questions / base_questions, base_questions, rollouts / base_rollouts, base_rollouts)
+    first = [kept_runs()[f"learning cppo {s}"]["curve"][1] for s in seeds()]
+    assert all(p[1] >= TARGET for p in first)  # at 0.85 at its first evaluation, every seed
+    metrics = chains_metrics("cppo")
+    printed("cppo.md", "at its first evaluation (step @, @–@ s in) in every seed, so its @ "
+            "questions and @ s to 0.85 are upper bounds", first[0][0], min(p[2] for p in first),
+            max(p[2] for p in first), first[0][3] / cppo["group"],
+            float(np.mean(list(metrics[f"training s to {TARGET}"].values()))))
+    with open(os.path.join(REPO, "toy", "chains", "data", "train.jsonl"), encoding="utf-8") as f:
+        train = sum(1 for line in f if line.strip())
+    steps = cppo["curve"][-1][0]
+    printed("cppo.md", "Its @ steps are @ passes over the @ prompts, GRPO's @", steps,
+            steps * questions / train, train, steps * base_questions / train)
 
 
 def test_grpo_md_quotes_grpos_chains_runs():
@@ -726,12 +730,12 @@ def test_grpo_md_quotes_grpos_chains_runs():
 
 
 def grpo_late_change():
-    """GRPO's validation accuracy at step 80 minus step 40, over every seed: mean and the rule's
-    90 % interval (the README once showed three chosen seeds' decline instead)."""
+    """GRPO's validation accuracy at step 80 minus step 40, over every seed: mean and the
+    bootstrap's 90 % interval (the README once showed three chosen seeds' decline instead)."""
     curves = {s: dict((p[0], p[1]) for p in kept_runs()[f"learning grpo {s}"]["curve"])
               for s in seeds()}
-    diff, low, high, n, *_ = against_grpo({s: c[80] for s, c in curves.items()},
-                                         {s: c[40] for s, c in curves.items()})
+    diff, low, high, n, *_ = intervals({s: c[80] for s, c in curves.items()},
+                                       {s: c[40] for s, c in curves.items()})
     return diff, low, high, n
 
 
@@ -742,15 +746,15 @@ def test_grpo_md_gives_grpos_late_change_over_every_seed():
             diff, low, high)
 
 
-def test_the_budget_is_the_median_of_grpos_first_seeds():
-    """201 s was set from GRPO's seeds 0-2, the runs made before the budget runs (bench.py's
-    BUDGET_S); each method page says so and give the median over every seed beside it."""
+def test_the_budget_was_the_median_of_grpos_first_seeds():
+    """201 s was set from GRPO's seeds 0-2, the runs made before the budget runs; results.md's
+    account of the learning runs says so (the budget runs themselves are no longer reported)."""
     secs = [kept_runs()[f"learning grpo {s}"]["curve"][-1][2] for s in seeds()]
-    assert round(float(np.median(secs[:3]))) == BUDGET != round(float(np.median(secs)))
+    assert round(float(np.median(secs[:3]))) == BUDGET
+    printed("results.md", "the second one is used here (@ s; the budget's median is @ s either "
+            "way)", secs[0], BUDGET)
     for m in METHODS[1:]:
-        assert f"budget of {BUDGET} training seconds" in doc(f"{m}.md"), m
-        printed(f"{m}.md", "the median of GRPO's seeds 0, 1 and 2, run before the budget runs; "
-                "over its six seeds the median is @ s", float(np.median(secs)))
+        assert f"{BUDGET} s" not in doc(f"{m}.md") and "time_budget" not in doc(f"{m}.md"), m
 
 
 def test_readme_quotes_packed_against_padded_at_the_default_budget():
@@ -813,90 +817,289 @@ def test_grpo_md_gpu_and_trl_ratios():
 
 
 # ------------------------------------------------------------------------------------
-# each method against its ablation: the kept pairs (`paired <m> <s>`, its default command made
-# again just before `ablation <m> <s>`), recomputed here from their curves
+# each paper's primary claim: the method against its ablation in seed pairs (`paired <m> <s>`, its
+# default command made again just before `ablation <m> <s>`), on the axis fixed in
+# results.md#primary before the runs; only pairs whose flags are that axis' count
 
-ABLATED = {"two_grpo": "grpo", "cppo": "cppo", "dppo": "dppo"}  # {method: the ablation's script}
-ABLATION_FLAGS = {"two_grpo": "--group_size 16 --prompts_per_step 8 --steps 640 --beta 0 "
-                              "--eps_high 0.28 --warmup_steps 10 --eval_every 12",
-                  "cppo": "--pruning 0 --steps 640 --warmup_steps 16 --time_budget 552 "
-                          "--eval_every 9",
-                  "dppo": "--prune_prompts 0 --prune_completions 0"}
-PAIR_METRICS = [f"steps to {TARGET}", f"training s to {TARGET}", f"rollouts to {TARGET}",
-                f"generated tokens to {TARGET}", "validation accuracy at equal time",
-                "final test accuracy"]
-PAIR_WORDS = {PAIR_METRICS[0]: ("more steps", "fewer steps"),
-              PAIR_METRICS[1]: ("slower", "faster"),
-              PAIR_METRICS[2]: ("more rollouts", "fewer rollouts"),
-              PAIR_METRICS[3]: ("more generated tokens", "fewer generated tokens"),
-              PAIR_METRICS[4]: ("more accurate", "less accurate"),
-              PAIR_METRICS[5]: ("more accurate", "less accurate")}
+PAIRS = {"cppo": ("cppo", "--pruning 0 --steps 640 --warmup_steps 16 --eval_every 9"),
+         "two_grpo": ("grpo", "--group_size 16 --prompts_per_step 8 --steps 640 --lr 3.75e-5 "
+                              "--beta 0 --eps_high 0.28 --warmup_steps 10 --eval_every 12"),
+         "dppo": ("dppo", "--prune_prompts 0 --prune_completions 0"),
+         "mmr_grpo": ("grpo", "")}  # {method: (the ablation's script, its flags)}
+PAIR_EVERY = {("cppo", "paired"): 2, ("mmr_grpo", "paired"): 5, ("mmr_grpo", "ablation"): 5}
+# {method: (the primary metric, which must fall; the accuracy kept within MARGIN)}
+PRIMARY = {"cppo": ("training s, whole run", "final test accuracy"),
+           "two_grpo": ("training s, whole run", "final test accuracy"),
+           "dppo": ("training s, whole run", "final test accuracy"),
+           "mmr_grpo": ("steps to peak", "best validation accuracy")}
+NAMES = {"cppo": "CPPO", "two_grpo": "2-GRPO", "dppo": "DPPO", "mmr_grpo": "MMR-GRPO"}
+
+
+def pair_flags(method, part, seed):
+    every = PAIR_EVERY.get((method, part))
+    flags = ["--dataset", "chains", "--rollout", "auto", "--seed", str(seed)]
+    flags += ["--eval_every", str(every)] * bool(every)
+    return flags + PAIRS[method][1].split() * (part == "ablation")
 
 
 def pair_seeds(method):
-    """The seeds with both runs of a method's ablation pair kept."""
-    return sorted(s for s in range(100) if f"paired {method} {s}" in kept_runs()
-                  and f"ablation {method} {s}" in kept_runs())
+    """The seeds with both runs of a method's pair kept, on the primary claim's axis."""
+    runs = kept_runs()
+    return sorted(s for s in range(100) if all(
+        runs.get(f"{part} {method} {s}", {}).get("flags") == pair_flags(method, part, s)
+        for part in ("paired", "ablation")))
 
 
-def pair_metrics(run, other):
-    """{metric: value} of one run against the other run of its seed (None: not reached)."""
-    points = run["curve"]
-    reached = next((p for p in points if p[1] >= TARGET), None)
-    end = min(points[-1][2], other["curve"][-1][2])  # the sooner end, training s
-    values = {"validation accuracy at equal time": [p[1] for p in points if p[2] <= end][-1],
-              "final test accuracy": run["test"]}
-    for i, name in enumerate(PAIR_METRICS[:4]):
-        values[name] = reached[[0, 2, 3, 4][i]] if reached else None
-    return values
-
-
-def pair_verdicts(method):
-    """[(metric, the method's values, the ablation's, the rule's numbers, its word)] of the kept
-    pairs, each metric over the seeds where both have a value."""
+def pair_tables(method):
+    """({metric: {seed: value}} of the method's paired runs, the same of its ablations)."""
     runs = kept_runs()
     seeds_ = pair_seeds(method)
-    on = {s: pair_metrics(runs[f"paired {method} {s}"], runs[f"ablation {method} {s}"])
-          for s in seeds_}
-    off = {s: pair_metrics(runs[f"ablation {method} {s}"], runs[f"paired {method} {s}"])
-           for s in seeds_}
-    out = []
-    for name in PAIR_METRICS if seeds_ else []:
-        mine, base = [{s: v[name] for s, v in side.items() if v[name] is not None}
-                      for side in (on, off)]
-        diff, low, high, n, sure, t_low, t_high = against_grpo(mine, base)
-        word = PAIR_WORDS[name][int(diff < 0)] if sure else f"not distinguishable at {n} seeds"
-        out.append((name, mine, base, (diff, low, high, t_low, t_high), word))
-    return out
+    sides = [{s: run_values(runs[f"{a} {method} {s}"], runs[f"{b} {method} {s}"])
+              for s in seeds_} for a, b in (("paired", "ablation"), ("ablation", "paired"))]
+    return [{name: {s: v[name] for s, v in side.items() if v[name] is not None}
+             for name in [*RUN_METRICS, EQUAL_TIME]} for side in sides]
 
 
-def test_the_ablation_pairs_ran_their_commands_one_after_the_other():
-    """Each kept pair: the default command (CPPO's validating every 2 steps), then the ablation's
-    flags after it, on one machine, the ablation finished after its pair."""
+def p_not_below(d, bound):
+    """The one-sided p that the mean of d is not below bound, by hand: the larger of the t-test's
+    (the t distribution's CDF at (mean - bound) / (sd / sqrt(n))) and the share of 10,000
+    bootstrap means (numpy seed 0) at or above bound."""
+    import scipy.stats
+    d = np.asarray(d, dtype=float)
+    boot = np.random.default_rng(0).choice(d, (10000, len(d))).mean(axis=1)
+    t = (d.mean() - bound) / (d.std(ddof=1) / np.sqrt(len(d)))
+    return max(float(scipy.stats.t.cdf(t, len(d) - 1)), float(np.mean(boot >= bound)))
+
+
+@functools.lru_cache(maxsize=None)
+def bench_claims():
+    """bench.py's own reading of the kept pairs: {table: {metric: [a value per seed]}} from
+    bench.run_metrics, and bench.primary_claims over them."""
+    import sys
+    sys.path.insert(0, REPO)
+    import bench
+    runs, tables = kept_runs(), {}
+    for m in bench.ABLATIONS:
+        on = [runs.get(f"paired {m} {s}") for s in range(LEAST_SEEDS)]
+        off = [runs.get(f"ablation {m} {s}") for s in range(LEAST_SEEDS)]
+        if any(off):
+            tables[f"{m} paired"] = bench.run_metrics(on, TARGET, off)
+            tables[f"{m} ablation"] = bench.run_metrics(off, TARGET, on)
+    return bench, tables, bench.primary_claims(tables)
+
+
+def primary_block():
+    """results.md#primary's table, fixed before the runs: {paper: its cells}."""
+    with open(os.path.join(REPO, "docs", "results.md"), encoding="utf-8") as f:
+        block = f.read().split('<a id="primary">')[1].split('<a id="rule">')[0]
+    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in block.splitlines()
+            if line.startswith("| ") and not line.startswith("| paper |")]
+    return {row[0]: row for row in rows}, " ".join(block.split())
+
+
+def test_results_md_section_5_is_what_bench_draws():
+    """Every line of bench.py's learning_section, drawn from the kept runs, stands in results.md
+    as it was set in by hand (the hand adds the rows of claims without pairs and plain text)."""
+    import argparse
+    bench, _, _ = bench_claims()
+    results = {}
+    for key, run in kept_runs().items():
+        part, method, seed = key.split()
+        if part in ("learning", "paired", "ablation"):
+            results[part, "chains", method, int(seed)] = run
+    args = argparse.Namespace(target=None, methods=bench.METHODS, seeds=seeds())
+    figures = {}
+    drawn = "\n".join(bench.learning_section(args, "chains", 5, results, figures)).splitlines()
+    bench.plt.close("all")
+    with open(os.path.join(REPO, "docs", "results.md"), encoding="utf-8") as f:
+        lines = set(f.read().splitlines())
+    missing = [line for line in drawn if line and line not in lines]
+    assert len(drawn) > 80 and not missing, missing[:3]
+
+
+def test_the_primary_claims_are_what_bench_fixes():
+    """results.md#primary's table (fixed before the runs) and bench.py's PRIMARY, ABLATIONS, MARGIN
+    and ALPHA say the same, and this file's copies too."""
+    bench, _, _ = bench_claims()
+    assert bench.PRIMARY == PRIMARY and bench.MARGIN == MARGIN and bench.ALPHA == 0.05
+    assert bench.ABLATIONS == PAIRS and bench.MIN_SEEDS == LEAST_SEEDS
+    rows, text = primary_block()
+    assert list(rows) == [NAMES[m] for m in PAIRS]
+    for m, (script, flags) in PAIRS.items():
+        _, _, metric, ablation, accuracy = rows[NAMES[m]]
+        assert ablation.startswith(f"`{script}.py{' ' + flags if flags else ''}`"), m
+        assert metric.startswith(PRIMARY[m][0]) and accuracy.startswith(PRIMARY[m][1]), m
+    assert "non-inferior within 0.02" in text and "0.05/4" in text
+
+
+def test_primary_claims_by_bench_and_by_hand():
+    """Each paper's row of results.md#primary-results: DPPO's from its six pairs, recomputed here
+    and by bench.py (run_metrics, estimate, primary_claims), the p of each part, the ratio and the
+    verdict; the claims without pairs: no verdict."""
+    bench, tables, claims = bench_claims()
+    text = doc("results.md")
+    for m, (metric, accuracy) in PRIMARY.items():
+        seeds_ = pair_seeds(m)
+        p_fall, p_kept, n, passed = claims[m]
+        assert n == len(seeds_) and not passed, m  # no claim holds here
+        if n < LEAST_SEEDS:
+            assert (f"| {m} | {metric}: not run yet | {accuracy}: not run yet | - | - | "
+                    f"no verdict: {n} of {LEAST_SEEDS} pairs |") in text, m
+            continue
+        on, off = pair_tables(m)
+        fall = [on[metric][s] - off[metric][s] for s in seeds_]
+        kept = [on[accuracy][s] - off[accuracy][s] for s in seeds_]
+        assert math.isclose(p_not_below(fall, 0.0), p_fall, rel_tol=1e-9)
+        assert math.isclose(p_not_below([-k for k in kept], MARGIN), p_kept, rel_tol=1e-9)
+        ratio = float(np.mean(list(on[metric].values())) / np.mean(list(off[metric].values())))
+        b = tables[f"{m} paired"], tables[f"{m} ablation"]
+        row = (f"| {m} | {metric}: {bench.estimate(b[0][metric], b[1][metric], ',.0f')}; "
+               f"{ratio:.2f}x | {accuracy}: {bench.estimate(b[0][accuracy], b[1][accuracy], '.3f')}"
+               f" | {p_fall:.2g} | {p_kept:.2g} | not shown at {n} seeds |")
+        assert row in text, m
+        numbers = [x for x in (*intervals(on[metric], off[metric]),
+                               *intervals(on[accuracy], off[accuracy])) if not isinstance(x, int)]
+        printed("results.md", f"| {m} | {metric}: @ [@, @], t [@, @]; @x | {accuracy}: @ [@, @], "
+                "t [@, @] | @ | @ |", *numbers[:5], ratio, *numbers[5:], p_fall, p_kept)
+    # DPPO: the time fell (p1 passes even at Holm's strictest step), the accuracy kept is not
+    # shown (p2 fails even at the most lenient), so the claim fails whatever the others give
+    p_fall, p_kept, _, _ = claims["dppo"]
+    assert p_fall < 0.05 / 4 and p_kept > 0.05
+    printed("results.md", "DPPO's p is its p₂, @: above 0.05/4 = @, and above 0.05", p_kept,
+            0.05 / 4)
+
+
+def test_pages_give_dppos_primary_claim():
+    """README's verdict row, dppo.md's primary table and verdict, results.md's sentences: the
+    estimates as bench.py prints them, the ratio, the p values and the verdict word."""
+    bench, tables, claims = bench_claims()
+    on, off = pair_tables("dppo")
+    seeds_ = pair_seeds("dppo")
+    p_fall, p_kept, n, _ = claims["dppo"]
+    metric, accuracy = PRIMARY["dppo"]
+    b = tables["dppo paired"], tables["dppo ablation"]
+    time = bench.estimate(b[0][metric], b[1][metric], ",.0f")
+    acc = bench.estimate(b[0][accuracy], b[1][accuracy], ".3f")
+    ratio = float(np.mean(list(on[metric].values())) / np.mean(list(off[metric].values())))
+    row = readme_verdict_rows()["DPPO"]
+    assert row[3] == f"training s {time}, {ratio:.2f}×; final test accuracy {acc}"
+    assert row[4] == (f"not shown at {n} seeds: the time fell ({ratio:.2f}×) but accuracy within "
+                      f"{MARGIN} is not shown")
+    assert all(on[metric][s] < off[metric][s] for s in seeds_)  # "shorter in every seed"
+    assert ("DPPO: the whole run was shorter in every seed, but the accuracy interval reaches "
+            "below −0.02." in doc("../README.md"))
+    # dppo.md: the primary table, the p values, the verdict
+    for name in (metric, accuracy):
+        (left, x), (right, y) = cells(on[name], seeds_), cells(off[name], seeds_)
+        diff, low, high, _, t_low, t_high = intervals(on[name], off[name])
+        printed("dppo.md", f"| {name} | {left} | {right} | @ [@, @], t [@, @] |", *x, *y, diff,
+                low, high, t_low, t_high)
+    assert f"p₁ = {p_fall:.2g} that the time did not fall, p₂ = {p_kept:.2g}" in doc("dppo.md")
+    assert f"**Verdict: not shown at {n} seeds.**" in doc("dppo.md")
+    printed("dppo.md", "The time fell in every seed, to @× of the ablation's", ratio)
+    printed("dppo.md", "its whole run @× (estimates)", ratio)
+    for name in [f"questions to {TARGET}", f"training s to {TARGET}", f"rollouts to {TARGET}",
+                 f"generated tokens to {TARGET}", EQUAL_TIME, "best validation accuracy",
+                 "steps to peak"]:
+        (left, x), (right, y) = cells(on[name], seeds_), cells(off[name], seeds_)
+        diff, low, high, _, t_low, t_high = intervals(on[name], off[name])
+        printed("dppo.md", f"| {name} | {left} | {right} | @ [@, @], t [@, @] |", *x, *y, diff,
+                low, high, t_low, t_high)
+    # results.md's plain sentences under the table
+    means = [float(np.mean(list(t[name].values()))) for name in (metric, accuracy)
+             for t in (on, off)]
+    _, _, _, _, t_low, _ = intervals(on[accuracy], off[accuracy])
+    low = intervals(on[accuracy], off[accuracy])[1]
+    assert low < -MARGIN and t_low < -MARGIN
+    printed("results.md", "Its whole run was shorter in every seed: @ s of training against @ s, "
+            "@× (the ratio of the means, an estimate). Its final test accuracy was @ against @. "
+            "The lower ends of that difference's intervals, @ and @, lie below @,", *means[:2],
+            ratio, *means[2:], low, t_low, -MARGIN)
+    printed("results.md", "not shown at @ seeds. The paper reports 2.37×; @× of the time would be "
+            "@×", n, ratio, 1 / ratio)
+    rollout, step = (float(np.median([kept_runs()[f"paired dppo {s}"]["phases"][k]
+                                      for s in seeds_])) for k in ("rollout_s", "step_s"))
+    printed("results.md", "took @ s of DPPO's @ s median step", rollout, step)
+    assert 0.4 < rollout / step < 0.6  # README, dppo.md: "about half of the step"
+    assert "is about half of its step here" in doc("../README.md")
+
+
+def readme_verdict_rows():
+    """{paper: its five cells} of README's verdict table, which must be the only table of the
+    verdict, with exactly the issue's five columns."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        lines = f.read().split('<a id="verdict"></a>')[1].split("\n## ")[0].splitlines()
+    tables = [line for line in lines if line.startswith("|")]
+    assert sum(line.startswith("|---") for line in lines) == 1, "one table"
+    header = [c.strip() for c in tables[0].strip("|").split("|")]
+    assert header == ["the paper's claim", "the axis", "the ablation",
+                      "measured (mean [interval])", "verdict"]
+    assert tables[1] == "|---|---|---|---|---|"
+    rows = {}
+    for line in tables[2:]:
+        cells_ = [c.strip() for c in line.strip("|").split(" | ")]
+        assert len(cells_) == 5, line
+        rows[cells_[0].split(":")[0]] = cells_
+    assert list(rows) == ["CPPO", "2-GRPO", "DPPO", "MMR-GRPO"]
+    return rows
+
+
+def test_readme_verdict_is_one_table_and_pending_claims_say_so():
+    """README: one row per paper; a claim without its pairs says so in README, on its page and in
+    the map; at most one sentence per method below the table; no secondary metric called faster or
+    more accurate in the chains section and the guide after it."""
+    rows = readme_verdict_rows()
+    for m, name in NAMES.items():
+        n = len(pair_seeds(m))
+        metric, accuracy = PRIMARY[m]
+        assert rows[name][1] == f"{metric}; {accuracy} within {MARGIN}", m
+        assert rows[name][0] == f"{name}: {primary_block()[0][name][1]}", m
+        if n < LEAST_SEEDS:
+            assert rows[name][3:] == ["not run yet", f"no verdict: {n} of {LEAST_SEEDS} pairs"]
+            assert f"**Verdict: none yet, {n} of {LEAST_SEEDS} pairs.**" in doc(f"{m}.md"), m
+    pending = [m for m in NAMES if len(pair_seeds(m)) < LEAST_SEEDS]
+    assert pending == ["cppo", "two_grpo", "mmr_grpo"]
+    assert ("Each is tested once, on its own axis ([results.md](results.md#primary-results)): "
+            f"DPPO's is not shown at {len(pair_seeds('dppo'))} seeds, and the other three have no "
+            f"verdict yet (0 of {LEAST_SEEDS} pairs)") in doc("README.md")
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    below = readme.split('<a id="verdict"></a>')[1].split("\n\n")[2]
+    bullets = below.splitlines()
+    assert [b.split(":")[0] for b in bullets] == [f"* {NAMES[m]}" for m in NAMES]
+    assert all(b.count(". ") == 0 and b.endswith(".") for b in bullets)  # one sentence each
+    chains = readme.split("## The chains task")[1].split("Every script packs")[0]
+    claims = {row[0] for row in rows.values()}
+    for claim in claims:
+        chains = chains.replace(claim, "")
+    assert not [w for w in WORDS if w in chains], "a secondary metric called by a verdict word"
+
+
+def test_readme_states_the_cost_of_the_missing_pairs():
+    """README: the pairs not yet run, 6 of each pending claim, and their estimated time; the method
+    pages give the same minutes a pair."""
+    minutes = {"cppo": 50, "two_grpo": 21, "mmr_grpo": 10}
+    missing = sum(LEAST_SEEDS - len(pair_seeds(m)) for m in minutes)
+    hours = sum((LEAST_SEEDS - len(pair_seeds(m))) * v for m, v in minutes.items()) / 60
+    printed("../README.md", "The @ missing pairs are estimated at about @ hours of a quiet 2-core "
+            "VM: a CPPO pair about @ minutes, a 2-GRPO pair @, an MMR-GRPO pair @, six seeds each",
+            missing, round(hours), *minutes.values())
+    for m, v in minutes.items():
+        printed(f"{m}.md", "A pair is estimated at about @ minutes of a quiet 2-core VM", v)
+
+
+def test_the_pairs_ran_their_commands_one_after_the_other():
+    """Each kept pair: the default command, then the ablation's flags after it, on one machine,
+    the ablation finished after its pair; and no kept pair off the primary axis."""
     runs = kept_runs()
-    for m, flags in ABLATION_FLAGS.items():
+    for m in PAIRS:
         for s in pair_seeds(m):
             on, off = runs[f"paired {m} {s}"], runs[f"ablation {m} {s}"]
-            default = ["--dataset", "chains", "--rollout", "auto", "--seed", str(s)]
-            assert on["flags"] == default + ["--eval_every", "2"] * (m == "cppo"), (m, s)
-            assert off["flags"] == default + flags.split(), (m, s)
             assert on["machine"] == off["machine"] and on["date"] <= off["date"], (m, s)
             assert on["engine"] == off["engine"] == "VLLMEngine"
-
-
-def test_method_pages_print_their_ablation_table():
-    """The page's table of the method against its ablation: mean (seed by seed) of each, the
-    difference [90 % bootstrap], t [90 % t-interval] and the rule's word, for every pair kept."""
-    for m in ABLATED:
-        seeds_ = pair_seeds(m)
-        for name, mine, base, numbers, word in pair_verdicts(m):
-            cells, values = [], []
-            for table in (mine, base):
-                cells.append("@ (" + " / ".join("@" if s in table else "–" for s in seeds_) + ")")
-                values += [float(np.mean(list(table.values()))),
-                           *(table[s] for s in seeds_ if s in table)]
-            printed(f"{m}.md", f"| {name} | {cells[0]} | {cells[1]} | @ [@, @], t [@, @]: {word} |",
-                    *values, *numbers)
+    kept = {key for key in runs if key.split()[0] in ("paired", "ablation")}
+    assert kept == {f"{part} {m} {s}" for m in PAIRS for s in pair_seeds(m)
+                    for part in ("paired", "ablation")}
 
 
 def test_dppo_md_quotes_its_pairs_steps():
@@ -929,155 +1132,3 @@ def test_dppo_md_quotes_its_pairs_steps():
     printed("results.md", "(DPPO's median step @–@ s there against @–@ s in its learning runs)",
             min(steps[0]), max(steps[0]), min(steps[1]), max(steps[1]))
     printed("dppo.md", "comparison, DPPO's step was @× as long", on["step_s"] / off["step_s"])
-
-
-def test_readme_quotes_dppos_pairs():
-    runs = kept_runs()
-    seeds_ = pair_seeds("dppo")
-    steps = [float(np.median([runs[f"{part} dppo {s}"]["phases"]["step_s"] for s in seeds_]))
-             for part in ("paired", "ablation")]
-    verdicts = {name: (mine, base, word) for name, mine, base, _, word in pair_verdicts("dppo")}
-    secs, final = verdicts[f"training s to {TARGET}"], verdicts["final test accuracy"]
-    assert secs[2] == final[2] == f"not distinguishable at {len(seeds_)} seeds"
-    printed("../README.md", "its step was @× as long, yet it reached 0.85 after @ s against @ s of "
-            "training and ended at @ against @: not distinguishable at @ seeds",
-            steps[0] / steps[1], *(float(np.mean(list(t.values()))) for t in secs[:2]),
-            *(float(np.mean(list(t.values()))) for t in final[:2]), len(seeds_))
-
-
-def test_cppo_md_and_readme_quote_cppos_pairs():
-    """cppo.md and README: CPPO against itself with P = 0 (the kept pairs), each number and word
-    recomputed from runs-chains.json; and the page's summary of the recipes table."""
-    runs = kept_runs()
-    seeds_ = pair_seeds("cppo")
-    if not seeds_:
-        return
-    on = [runs[f"paired cppo {s}"] for s in seeds_]
-    off = [runs[f"ablation cppo {s}"] for s in seeds_]
-
-    def median(side, phase):
-        return float(np.median([r["phases"][phase] for r in side]))
-    step = [median(side, "step_s") for side in (on, off)]
-    printed("cppo.md", "CPPO's median step was @ s against @ s (@× as long", *step,
-            step[0] / step[1])
-    steps_on = [r["phases"]["step_s"] for r in on]
-    learned = [runs[f"learning cppo {s}"]["phases"]["step_s"] for s in seeds()]
-    printed("cppo.md", "(CPPO's median step @–@ s against @–@ s)", min(steps_on), max(steps_on),
-            min(learned), max(learned))
-    verdicts = {name: (mine, base, word) for name, mine, base, _, word in pair_verdicts("cppo")}
-
-    def means(name):
-        return [float(np.mean(list(t.values()))) for t in verdicts[name][:2]]
-    secs, steps = verdicts[f"training s to {TARGET}"], verdicts[f"steps to {TARGET}"]
-    rolls, equal = verdicts[f"rollouts to {TARGET}"], verdicts["validation accuracy at equal time"]
-    final = verdicts["final test accuracy"]
-    printed("cppo.md", f"it reached 0.85 on the validation split after @ s of training against @ s "
-            f"({secs[2]}), in @ steps against @ ({steps[2]}) but with @ rollouts against @ "
-            f"({rolls[2]}); at equal time it stood at @ against @ ({equal[2]}), and it ended at a "
-            f"test accuracy of @ against @ ({final[2]})", *means(f"training s to {TARGET}"),
-            *means(f"steps to {TARGET}"), *means(f"rollouts to {TARGET}"),
-            *means("validation accuracy at equal time"), *means("final test accuracy"))
-    whole = [[r["curve"][-1][2] for r in side] for side in (on, off)]
-    assert all(abs(s - 552) < 15 for s in whole[1])  # "P = 0 stopping at 552 training s"
-    printed("cppo.md", "CPPO after its 80 steps (@ s on average)", float(np.mean(whole[0])))
-    phases = {k: [median(side, k) for side in (on, off)]
-              for k in ("rollout_s", "logp_s", "update_s")}
-    trainer = (phases["logp_s"][0] + phases["update_s"][0]) / (phases["logp_s"][1]
-                                                               + phases["update_s"][1])
-    printed("cppo.md", "the rollout took @ s against @ s with P = 0 (8× the completions), the "
-            "trainer's phases @× (log-probs @ s against @ s, the update @ s against @ s)",
-            *phases["rollout_s"], trainer, *phases["logp_s"], *phases["update_s"])
-    printed("cppo.md", "Over the whole run CPPO trained @ s against @ s, P = 0 stopping after @ of "
-            "its 640 steps, and sampled @ rollouts against @", float(np.mean(whole[0])),
-            float(np.mean(whole[1])), float(np.mean([r["curve"][-1][0] for r in off])),
-            float(np.mean([r["curve"][-1][3] for r in on])),
-            float(np.mean([r["curve"][-1][3] for r in off])))
-    passes = float(np.mean([r["curve"][-1][0] for r in off])) * 8 / 512  # 8 questions a step
-    printed("cppo.md", "where P = 0 made about @ in its 552 s", passes)
-    count = ["one", "two", "three", "four", "five", "six"][len(seeds_) - 1]
-    printed("../README.md", f"the paper's comparison ({count} pairs), it reached 0.85 after @ s "
-            f"against @ s of training ({secs[2]}) with @ rollouts against @ ({rolls[2]}), and at "
-            f"equal time it stood at @ against @ ({equal[2]})", *means(f"training s to {TARGET}"),
-            *means(f"rollouts to {TARGET}"), *means("validation accuracy at equal time"))
-    # the recipes (default commands against GRPO's), summarised below the pairs
-    cppo, grpo = chains_metrics("cppo"), chains_metrics("grpo")
-
-    def both(name):
-        return [float(np.mean(list(m[name].values()))) for m in (cppo, grpo)]
-    printed("cppo.md", "in fewer steps (@ against @) and ended more accurate on the test split (@ "
-            "against @)", *both(f"steps to {TARGET}"), *both("final test accuracy"))
-    printed("cppo.md", "in training time to 0.85 (@ s against @ s",
-            *both(f"training s to {TARGET}"))
-    printed("cppo.md", f"at GRPO's {BUDGET} s (@ against @: the bootstrap interval excludes zero",
-            *both(f"test accuracy at {BUDGET} s"))
-
-
-def test_two_grpo_md_gives_its_shares_of_16_grpo():
-    """two_grpo.md: 2-GRPO's final test accuracy, rollouts and training seconds over the run as
-    shares of 16-GRPO's (the paper's axis), seed by seed, from the kept pairs."""
-    runs = kept_runs()
-    seeds_ = pair_seeds("two_grpo")
-    assert seeds_, "no 2-GRPO pair kept"
-    on = [runs[f"paired two_grpo {s}"] for s in seeds_]
-    off = [runs[f"ablation two_grpo {s}"] for s in seeds_]
-    shares = {"final test accuracy": [a["test"] / b["test"] for a, b in zip(on, off)],
-              "rollouts over the run": [a["curve"][-1][3] / b["curve"][-1][3]
-                                        for a, b in zip(on, off)],
-              "training time over the run": [a["curve"][-1][2] / b["curve"][-1][2]
-                                             for a, b in zip(on, off)]}
-    for name, values in shares.items():
-        cells = " / ".join("@%" for _ in values)
-        printed("two_grpo.md", f"{name} @% ({cells})", 100 * float(np.mean(values)),
-                *(100 * v for v in values))
-    best = [[max(p[1] for p in r["curve"]) for r in side] for side in (on, off)]
-    peaks = [max(r["curve"], key=lambda p: p[1])[0] for r in off]
-    last = [r["curve"][-1][1] for r in off]
-    cells = " / ".join("@" for _ in seeds_)
-    printed("two_grpo.md", f"The best validation accuracy of each run: 2-GRPO @ ({cells}), 16-GRPO "
-            f"@ ({cells}), at steps {cells} of its 640; at its last evaluation 16-GRPO stood at @ "
-            f"({cells})", float(np.mean(best[0])), *best[0], float(np.mean(best[1])), *best[1],
-            *peaks, float(np.mean(last)), *last)
-    # the page's and README's summary of the same pairs
-    verdicts = {name: (mine, base, word) for name, mine, base, _, word in pair_verdicts("two_grpo")}
-
-    def means(name):
-        return [float(np.mean(list(t.values()))) for t in verdicts[name][:2]]
-    steps, secs = means(f"steps to {TARGET}"), means(f"training s to {TARGET}")
-    final = means("final test accuracy")
-    time_share = 100 * float(np.mean(shares["training time over the run"]))
-    acc_share = 100 * float(np.mean(shares["final test accuracy"]))
-    printed("two_grpo.md", "2-GRPO used 12.5 % of 16-GRPO's rollouts and @ % of its training time "
-            "over the run (the paper: 12.5 % and 21 %), reached 0.85 on the validation split after "
-            "@ steps and @ s against @ steps and @ s", time_share, steps[0], secs[0], steps[1],
-            secs[1])
-    said = [verdicts[f"{name} to {TARGET}"][2]
-            for name in ("steps", "training s", "rollouts", "generated tokens")]
-    assert (f"({said[0]}, {said[1]} by the rule, and with {said[2]} and {said[3]})"
-            in " ".join(doc("two_grpo.md").split()))
-    equal = means("validation accuracy at equal time")
-    printed("two_grpo.md", f"was {verdicts['validation accuracy at equal time'][2]} at equal time "
-            f"(@ against @), and ended at a test accuracy of @ against @ (@ % of it; "
-            f"{verdicts['final test accuracy'][2]})", *equal, *final, acc_share)
-    printed("two_grpo.md", "to @ at its last evaluation on average", float(np.mean(last)))
-    top = [float(np.mean(b)) for b in best]
-    printed("two_grpo.md", "At their best on the validation split the two were close, @ against @ "
-            "(the means of each run's best; @ % of it)", *top, 100 * top[0] / top[1])
-    diff, low, high, _, called, t_low, t_high = against_grpo(dict(enumerate(best[0])),
-                                                            dict(enumerate(best[1])))
-    assert called and diff < 0  # "by the rule 2-GRPO's best is lower"
-    printed("two_grpo.md", "by the rule 2-GRPO's best is lower (@ [@, @], t [@, @])", diff, low,
-            high, t_low, t_high)
-    evals = [{len(r["curve"]) for r in side} for side in (on, off)]
-    assert len(evals[0]) == len(evals[1]) == 1
-    printed("two_grpo.md", "16-GRPO's best is the highest of @ evaluations against 2-GRPO's @",
-            evals[1].pop(), evals[0].pop())
-    word = verdicts[f"training s to {TARGET}"][2]
-    count = ["one", "two", "three", "four", "five", "six"][len(seeds_) - 1]
-    printed("../README.md", f"the paper's comparison ({count} pairs), it used 12.5 % of the "
-            f"rollouts and @ % of the training time, reached 0.85 after @ s against @ s ({word}) "
-            f"and ended at @ against @ ({verdicts['final test accuracy'][2]})",
-            time_share, *secs, *final)
-    printed("../README.md", "here 2-GRPO's best validation accuracy was @ % of 16-GRPO's",
-            100 * top[0] / top[1])
-    printed("two_grpo.md", "So here 2-GRPO comes within @ points of 16-GRPO's best",
-            100 * (top[1] - top[0]))
