@@ -11,6 +11,8 @@ worker of the two-process test."""
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -361,6 +363,30 @@ def test_refused_settings(tiny_dir, tmp_path):
             trainer_for(GRPOPlugin, tiny_dir, tmp_path, canned, G=2, **config)
     with pytest.raises(ValueError, match="k = G"):
         trainer_for(CPPOTrainer, tiny_dir, tmp_path, canned, G=2, settings={"pruning": 0.75})
+
+
+def test_the_maps_flags_are_trls():
+    """docs/README.md#scaling-out: every flag its table and its method notes give to
+    scale_out/train.py is a GRPOConfig field of the installed TRL or one of train.py's own, and both
+    of its commands parse (with --use_cpu added, as this machine has no GPU)."""
+    from transformers import HfArgumentParser
+
+    from scale_out.train import MethodArgs
+    text = open(os.path.join(REPO, "docs", "README.md")).read()
+    section = text.split('<a id="scaling-out"></a>')[1].split('<a id="real-run"></a>')[0]
+    fields = set(GRPOConfig.__dataclass_fields__) | set(MethodArgs.__dataclass_fields__)
+    table = section.split("### The shared loop")[1].split("\n\n| ")[1].split("\n\n")[0]
+    named = [re.findall(r"--(\w+)", row.split(" | ")[1]) for row in table.splitlines()[2:]]
+    others = section.split("**The other methods**")[1].split("\n* ")[0]
+    names = {n for row in named for n in row} | set(re.findall(r"--(\w+)", others))
+    assert len(names) > 30 and not names - fields, sorted(names - fields)
+    commands = re.findall(r"scale_out/train\.py ((?:\\\n|[^\n])+)", section)
+    assert len(commands) == 2
+    parser = HfArgumentParser((MethodArgs, GRPOConfig))
+    for command in commands:
+        argv = shlex.split(command.replace("\\\n", " ")) + ["--use_cpu"]
+        method, config = parser.parse_args_into_dataclasses(args=argv)
+        assert method.method == "cppo" and config.num_generations in (4, 16)
 
 
 # ------------------------------------------------------------------ two processes, for real
