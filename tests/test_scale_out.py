@@ -384,7 +384,7 @@ def test_the_maps_flags_are_trls():
     assert len(commands) == 2
     parser = HfArgumentParser((MethodArgs, GRPOConfig))
     for command in commands:
-        argv = shlex.split(command.replace("\\\n", " ")) + ["--use_cpu"]
+        argv = shlex.split(command.replace("\\\n", " "), comments=True) + ["--use_cpu"]
         method, config = parser.parse_args_into_dataclasses(args=argv)
         assert method.method == "cppo" and config.num_generations in (4, 16)
 
