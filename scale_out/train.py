@@ -1,16 +1,17 @@
 """One method trained by TRL's GRPOTrainer, on one process or many: the path past one GPU
-(scale_out/README.md has the commands, the configs and the flag map).
+(docs/README.md#scaling-out has the commands, the configs and the flag map).
 
     accelerate launch --config_file <trl>/accelerate_configs/multi_gpu.yaml --num_processes 8 \\
         scale_out/train.py --method cppo --dataset gsm8k --model Qwen/Qwen2.5-1.5B-Instruct \\
         --output_dir runs/cppo-trl --num_generations 16 --per_device_train_batch_size 64 ...
     accelerate launch --multi_gpu --num_processes 2 scale_out/train.py --method two_grpo \\
-        --use_cpu --output_dir /tmp/two-grpo-trl --num_generations 2 ...   # two CPU processes
+        --use_cpu --bf16 false --output_dir /tmp/two-grpo-trl --num_generations 2 ...  # 2 CPUs
 
-The flags are MethodArgs below (the method, its data, its own settings, named as in its script)
-and every GRPOConfig field, by TRL's name (--num_generations, --beta, --loss_type, ...). The
-prompt is the dataset recipe's template as chat messages; the reward is common.math_reward of the
-completion's text against the row's gold answer, as in the scripts.
+Tested with TRL 1.16.0 and accelerate 1.15.0: tests/test_scale_out.py runs it on two CPU
+processes. The flags are MethodArgs below (the method, its data, its own settings, named as in
+its script) and every GRPOConfig field, by TRL's name (--num_generations, --beta, --loss_type,
+...). The prompt is the dataset recipe's template as chat messages; the reward is
+common.math_reward of the completion's text against the row's gold answer, as in the scripts.
 """
 import dataclasses
 import os

@@ -14,7 +14,8 @@ Allocation (docs/cppo.md#eq-allocation) is a setting: TRL's per_device_train_bat
 generated completions, so per_device_train_batch_size x processes x steps_per_generation = Q G with
 Q = B / (1 - P) questions leaves B G kept rows per step. cppo.py's defaults: num_generations=16,
 pruning 0.875, beta=0.04, num_iterations=2 (mu), loss_type="dapo" (token_mean),
-lr_scheduler_type="cosine" with warmup_ratio=0.1.
+lr_scheduler_type="cosine_with_min_lr" with lr_scheduler_kwargs={"min_lr_rate": 0.1} (to 10%)
+and warmup_steps=0.1 (a tenth of the steps).
 
 What differs from cppo.py, beyond what trl_grpo.py lists for every plug-in:
   * the batch scope prunes over the generation batch of all processes (verl's port does the same);

@@ -37,6 +37,8 @@ What differs from grpo.py:
     1e-4 (--adv_eps); TRL's reward functions are summed with reward_weights, an unscorable (None)
     reward counts as 0;
   * --tis_cap has no counterpart: with vLLM, set vllm_importance_sampling_correction=False;
+  * with a PEFT (LoRA) policy the reference is the policy with its adapters off, as --lora_r's in
+    the scripts (TRL would use an adapter named "ref" if there is one); not run here;
   * the GRPOConfig fields whose effect lives in TRL's loss (LOSS_FIELDS) must keep their defaults;
     tools, environments and images are not supported; evaluation (eval_dataset) runs TRL's own
     batch and loss.
