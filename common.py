@@ -1091,11 +1091,9 @@ def parse_args(cls, method, description, recipe=None, argv=None):
         defaults = {k: v for k, v in recipes.items() if k in typed and typed[k] is None}
         if recipe:
             defaults.update(recipe(typed))
-    tokens = []  # the defaults as flags, in front of argv: a flag typed after them wins
-    for key, value in defaults.items():
-        if key in typed and value is not None:
-            tokens += [f"--{key}", str(value)]
-    flags = vars(parser.parse_args(tokens + argv))
+    # argparse's own defaults: a flag typed wins over them
+    parser.set_defaults(**{k: v for k, v in defaults.items() if k in typed and v is not None})
+    flags = vars(parser.parse_args(argv))
     cuda = torch.cuda.is_available()
     if flags["grad_ckpt"] is None:  # needed for 1.5B at 16k tokens; only slower on CPU
         flags["grad_ckpt"] = cuda
@@ -1346,13 +1344,14 @@ def take_prompts(n_rows, cursor, k, seed):
 #     and the first evaluation
 
 
-def evaluate(engine, tokenizer, rows, reward, max_tokens, seed, progress=False):
-    """The mean reward of greedy completions (n = 1, temperature 0) on held-out rows: an accuracy
-    with the scripts' default reward."""
-    outputs = engine.generate([r["prompt_ids"] for r in rows], 1, 0.0, max_tokens, seed, progress)
-    texts = tokenizer.batch_decode([o[0][0] for o in outputs], skip_special_tokens=True)
+def evaluate(run, rows, progress=False):
+    """The mean of the run's reward over greedy completions (n = 1, temperature 0) of held-out
+    rows: an accuracy with the scripts' default reward."""
+    prompts = [r["prompt_ids"] for r in rows]
+    outputs = run.engine.generate(prompts, 1, 0.0, run.args.max_tokens, run.args.seed, progress)
+    texts = run.tokenizer.batch_decode([o[0][0] for o in outputs], skip_special_tokens=True)
     # no time budget: every held-out answer is read, however long math-verify takes on it
-    rewards, _ = score(texts, rows, reward, budget=math.inf)
+    rewards, _ = score(texts, rows, run.reward, budget=math.inf)
     return sum(rewards) / max(1, len(rows))
 
 
@@ -1423,7 +1422,11 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
         ref_model = AdapterOff(model)
     elif args.beta:  # else a second copy of the initial weights
         ref_model = load_model(args.model, device, args.trust_remote_code, args.attn, frozen=True)
-    stop_ids = stop_token_ids(tokenizer, model)
+    model_eos = model.generation_config.eos_token_id  # one id, a list of them, or None
+    if not isinstance(model_eos, list):
+        model_eos = [model_eos]
+    # what ends a completion: the tokenizer's EOS and the model's own (Qwen's <|im_end|>)
+    stop_ids = sorted({tokenizer.eos_token_id, *model_eos} - {None})
     engine = start_engine(args, model, tokenizer, stop_ids, questions, use_vllm)
     if folder and args.lora_r:  # vLLM loaded the frozen weights: the adapter merged in
         engine.push(model)
@@ -1523,15 +1526,6 @@ def load_policy(args, folder):
     return model
 
 
-def stop_token_ids(tokenizer, model):
-    """The token ids that end a completion: the tokenizer's EOS and the model's own (Qwen's
-    instruct models end a turn with <|im_end|>)."""
-    model_eos = model.generation_config.eos_token_id  # one id, a list of them, or None
-    if not isinstance(model_eos, list):
-        model_eos = [model_eos]
-    return sorted({tokenizer.eos_token_id, *model_eos} - {None})
-
-
 def start_engine(args, model, tokenizer, stop_ids, questions, use_vllm):
     """The rollout engine: vLLM in this process (--rollout auto when it is installed), else
     transformers generate on the policy itself."""
@@ -1560,8 +1554,7 @@ def start_engine(args, model, tokenizer, stop_ids, questions, use_vllm):
 def first_evaluation(run):
     """Step 0: the held-out score of the initial policy, logged and printed."""
     print(f"step 0: evaluating {len(run.eval_rows)} held-out problems")
-    run.eval_score = evaluate(run.engine, run.tokenizer, run.eval_rows, run.reward,
-                              run.args.max_tokens, run.args.seed, progress=True)
+    run.eval_score = evaluate(run, run.eval_rows, progress=True)
     log_row(run, {"step": 0, f"eval_{run.metric}": run.eval_score})
     print(f"step 0: eval {run.metric} {run.eval_score:.3f}")
 
@@ -1688,16 +1681,14 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     run.train_s += row["step_s"]
     if args.time_budget and run.train_s >= args.time_budget:
         run.steps = done  # this step is the last
-    held_out = functools.partial(evaluate, run.engine, run.tokenizer, reward=run.reward,
-                                 max_tokens=args.max_tokens, seed=args.seed)  # greedy
     if (args.eval_every and done % args.eval_every == 0) or done == run.steps:
-        run.eval_score = held_out(run.eval_rows)
+        run.eval_score = evaluate(run, run.eval_rows)
         row[f"eval_{run.metric}"] = run.eval_score
     if done == run.steps:
         if run.test_rows is run.eval_rows:  # no validation split: the test was just evaluated
             run.test_score = run.eval_score
         else:
-            run.test_score = held_out(run.test_rows)
+            run.test_score = evaluate(run, run.test_rows)
         row[f"test_{run.metric}"] = run.test_score
     log_row(run, row)
     warn_flat_reward(run, row, bar)
