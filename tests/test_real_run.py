@@ -149,8 +149,14 @@ def meta_model(frozen, trained):
     weights = [torch.empty(int(frozen), device="meta"), torch.empty(int(trained), device="meta")]
     weights[0].requires_grad_(False)
     weights[1].requires_grad_(True)
-    return torch.nn.ParameterList([torch.nn.Parameter(w, requires_grad=w.requires_grad)
-                                   for w in weights if w.numel()])
+    return Counted([torch.nn.Parameter(w, requires_grad=w.requires_grad)
+                    for w in weights if w.numel()])
+
+
+class Counted(torch.nn.ParameterList):
+    def num_parameters(self, only_trainable=False):
+        """transformers' PreTrainedModel.num_parameters, which check_memory calls."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
 
 
 @pytest.mark.parametrize("frozen,trained,lora_r,beta,trainer_bytes", [
