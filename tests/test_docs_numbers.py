@@ -977,6 +977,16 @@ def test_primary_claims_by_bench_and_by_hand():
     printed("results.md", "MMR-GRPO's p is its p₁, @: above 0.05 too", max(p_fall, p_kept))
 
 
+def prints_pair_rows(page, on, off, seeds_, names):
+    """A method page's pair table: each metric's row, the mean and seed by seed on each side, then
+    method - ablation with its two intervals."""
+    for name in names:
+        (left, x), (right, y) = cells(on[name], seeds_), cells(off[name], seeds_)
+        diff, low, high, _, t_low, t_high = intervals(on[name], off[name])
+        printed(page, f"| {name} | {left} | {right} | @ [@, @], t [@, @] |", *x, *y, diff, low,
+                high, t_low, t_high)
+
+
 def test_pages_give_dppos_primary_claim():
     """README's verdict row, dppo.md's primary table and verdict, results.md's sentences: the
     estimates as bench.py prints them, the ratio, the p values and the verdict word."""
@@ -997,22 +1007,15 @@ def test_pages_give_dppos_primary_claim():
     assert ("DPPO: the whole run was shorter in every seed, but the accuracy interval reaches "
             "below −0.02." in doc("../README.md"))
     # dppo.md: the primary table, the p values, the verdict
-    for name in (metric, accuracy):
-        (left, x), (right, y) = cells(on[name], seeds_), cells(off[name], seeds_)
-        diff, low, high, _, t_low, t_high = intervals(on[name], off[name])
-        printed("dppo.md", f"| {name} | {left} | {right} | @ [@, @], t [@, @] |", *x, *y, diff,
-                low, high, t_low, t_high)
+    prints_pair_rows("dppo.md", on, off, seeds_, (metric, accuracy))
     assert f"p₁ = {p_fall:.2g} that the time did not fall, p₂ = {p_kept:.2g}" in doc("dppo.md")
     assert f"**Verdict: not shown at {n} seeds.**" in doc("dppo.md")
     printed("dppo.md", "The time fell in every seed, to @× of the ablation's", ratio)
     printed("dppo.md", "its whole run @× (estimates)", ratio)
-    for name in [f"questions to {TARGET}", f"training s to {TARGET}", f"rollouts to {TARGET}",
-                 f"generated tokens to {TARGET}", EQUAL_TIME, "best validation accuracy",
-                 "steps to peak"]:
-        (left, x), (right, y) = cells(on[name], seeds_), cells(off[name], seeds_)
-        diff, low, high, _, t_low, t_high = intervals(on[name], off[name])
-        printed("dppo.md", f"| {name} | {left} | {right} | @ [@, @], t [@, @] |", *x, *y, diff,
-                low, high, t_low, t_high)
+    prints_pair_rows("dppo.md", on, off, seeds_,
+                     [f"questions to {TARGET}", f"training s to {TARGET}", f"rollouts to {TARGET}",
+                      f"generated tokens to {TARGET}", EQUAL_TIME, "best validation accuracy",
+                      "steps to peak"])
     # results.md's plain sentences under the table
     means = [float(np.mean(list(t[name].values()))) for name in (metric, accuracy)
              for t in (on, off)]
@@ -1060,11 +1063,7 @@ def test_pages_give_mmrs_primary_claim():
     names = [metric, accuracy, f"questions to {TARGET}", f"training s to {TARGET}",
              f"rollouts to {TARGET}", f"generated tokens to {TARGET}", EQUAL_TIME,
              "final test accuracy", "training s, whole run"]
-    for name in names:
-        (left, x), (right, y) = cells(on[name], seeds_), cells(off[name], seeds_)
-        diff, low, high, _, t_low, t_high = intervals(on[name], off[name])
-        printed("mmr_grpo.md", f"| {name} | {left} | {right} | @ [@, @], t [@, @] |", *x, *y,
-                diff, low, high, t_low, t_high)
+    prints_pair_rows("mmr_grpo.md", on, off, seeds_, names)
     assert (f"p₁ = {p_fall:.2g} that the steps to peak did not fall, p₂ = {p_kept:.2g}"
             in doc("mmr_grpo.md"))
     assert f"**Verdict: not shown at {n} seeds.**" in doc("mmr_grpo.md")
@@ -1111,11 +1110,7 @@ def test_pages_give_two_grpos_primary_claim():
     names = [metric, accuracy, f"questions to {TARGET}", f"training s to {TARGET}",
              f"rollouts to {TARGET}", f"generated tokens to {TARGET}", EQUAL_TIME,
              "best validation accuracy", "steps to peak"]
-    for name in names:
-        (left, x), (right, y) = cells(on[name], seeds_), cells(off[name], seeds_)
-        diff, low, high, _, t_low, t_high = intervals(on[name], off[name])
-        printed("two_grpo.md", f"| {name} | {left} | {right} | @ [@, @], t [@, @] |", *x, *y,
-                diff, low, high, t_low, t_high)
+    prints_pair_rows("two_grpo.md", on, off, seeds_, names)
     assert f"p₁ = {p_fall:.2g} that the time did not fall, p₂ = {p_kept:.2g}" in doc("two_grpo.md")
     assert f"**Verdict: not shown at {n} seeds.**" in doc("two_grpo.md")
     low, t_low = (intervals(on[accuracy], off[accuracy])[i] for i in (1, 4))
