@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -129,24 +128,35 @@ def test_help_explains_every_flag(main_of):
         assert f"--{f.name}" in result.stdout and f.metadata["help"].split()[0] in result.stdout
 
 
+# grpo.py run as a script whose metrics writer sends SIGKILL to its own process right after step 3's
+# row: a kill at a known point, between two checkpoints
+KILL_AFTER_STEP_3 = """
+import os, runpy, signal, sys
+import common
+write_row = common.log_row
+def log_then_kill(run, row):
+    write_row(run, row)
+    if row["step"] == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+common.log_row = log_then_kill
+sys.argv = ["grpo.py", *sys.argv[1:]]
+runpy.run_path("grpo.py", run_name="__main__")
+"""
+
+
 def test_toy_end_to_end_then_resume_after_a_kill(tmp_path):
     """A run killed mid-way resumes at its last checkpoint: every step logged once, the data order
     continued from the checkpoint's cursor ((seed, cursor) fix the prompts: tests/test_data.py), the
     two newest checkpoints kept."""
     out = str(tmp_path / "run")
     args = SMALL + ["--steps", "5", "--save_every", "2", "--eval_every", "2", "--out", out]
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), *args], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.time() + 300
-    # kill once step 3 is logged: the checkpoint is at step 2
-    while time.time() < deadline and proc.poll() is None:
-        if (os.path.exists(os.path.join(out, "metrics.jsonl"))
-                and any(r["step"] >= 3 for r in rows(out))):
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.2)
-    assert proc.wait() == -signal.SIGKILL, proc.stderr.read()[-3000:]
+    # the run kills itself the moment step 3's row is written: the checkpoint is at step 2. (A
+    # watcher that polled metrics.jsonl raced a fast machine, which saved step 4 between looks.)
+    proc = subprocess.run([sys.executable, "-c", KILL_AFTER_STEP_3, *args], cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert [r["step"] for r in rows(out)] == [0, 1, 2, 3]
     assert json.load(open(os.path.join(out, "config.json")))["args"]["steps"] == 5
     import torch
     assert checkpoints(out) == [os.path.join(out, "checkpoint-2")]
