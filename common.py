@@ -251,7 +251,8 @@ APART = re.compile(r"(?<=\d)(?:\s|\\[,:;! ]|\\q?quad|~)+(?=\d)")
 # '(2)(69.5)', '(2)69.5' (not '(A) 18', a choice's label); or a slash with a decimal or a bracket
 # beside it: '13.9/0.1', '278/(2)'. A fraction of whole numbers (3/4, 170/2) is a number.
 UNDONE = re.compile(r"^\D*$|\d[)\]]*(?:\*\*|[-+*×·^−∗⋅∙⋆÷]|\\times|\\cdot|\\ast|\\div)[(\[]*[-−]?"
-                    r"(?:\d|\\[dt]?frac)|\d[(\[]|\d[)\]]+[(\[]*[-−]?\d|\.\d+/\d|\d/\d*\.\d|[)\]]/|/[(\[]")
+                    r"(?:\d|\\[dt]?frac)|\d[(\[]|\d[)\]]+[(\[]*[-−]?\d"
+                    r"|\.\d+/\d|\d/\d*\.\d|[)\]]/|/[(\[]")
 
 
 class VerifyTimeout(BaseException):
