@@ -872,6 +872,19 @@ def p_not_below(d, bound):
     return max(float(scipy.stats.t.cdf(t, len(d) - 1)), float(np.mean(boot >= bound)))
 
 
+def holm_by_hand(claims):
+    """{method: holds} from bench's {method: (p1, p2, n, _)}: a claim's p is the larger of its
+    two (1 with fewer than 6 pairs); the k-th smallest (k from 0) must be at most 0.05 / (4 - k),
+    and after the first that is not, none holds."""
+    p = {m: max(p1, p2) if n >= LEAST_SEEDS else 1.0 for m, (p1, p2, n, _) in claims.items()}
+    holds = dict.fromkeys(p, False)
+    for k, m in enumerate(sorted(p, key=p.get)):
+        if p[m] > 0.05 / (len(p) - k):
+            break
+        holds[m] = True
+    return holds
+
+
 @functools.lru_cache(maxsize=None)
 def bench_claims():
     """bench.py's own reading of the kept pairs: {table: {metric: [a value per seed]}} from
@@ -939,17 +952,18 @@ def test_primary_claims_by_bench_and_by_hand():
     verdict; the claims with fewer than 6 pairs: no verdict."""
     bench, tables, claims = bench_claims()
     text = doc("results.md")
+    holds = holm_by_hand(claims)
     for m, (metric, accuracy) in PRIMARY.items():
         seeds_ = pair_seeds(m)
         p_fall, p_kept, n, passed = claims[m]
-        assert n == len(seeds_) and not passed, m  # no claim holds here
+        assert n == len(seeds_) and passed == holds[m], m
         if n == 0:
             assert (f"| {m} | {metric}: not run yet | {accuracy}: not run yet | - | - | "
                     f"no verdict: 0 of {LEAST_SEEDS} pairs |") in text, m
             continue
         # the pairs so far of a claim with fewer than 6: bench's estimates, and no verdict
-        verdict = (f"not shown at {n} seeds" if n >= LEAST_SEEDS
-                   else f"no verdict: {n} of {LEAST_SEEDS} pairs")
+        verdict = "holds here" if passed else f"not shown at {n} seeds"
+        verdict = verdict if n >= LEAST_SEEDS else f"no verdict: {n} of {LEAST_SEEDS} pairs"
         on, off = pair_tables(m)
         fall = [on[metric][s] - off[metric][s] for s in seeds_]
         kept = [on[accuracy][s] - off[accuracy][s] for s in seeds_]
@@ -1127,30 +1141,52 @@ def test_pages_give_two_grpos_primary_claim():
     printed("two_grpo.md", "16-GRPO's peak came at step @–@ of its 640", min(steps), max(steps))
 
 
-def test_pages_give_cppos_pairs_so_far():
-    """README's CPPO bullet, cppo.md's table of the pairs made so far and results.md's sentences:
-    bench.py's estimates seed by seed; the verdict (none before 6 pairs) is checked with the
-    others' (test_readme_verdict_is_one_table_and_pending_claims_say_so)."""
+def test_pages_give_cppos_primary_claim():
+    """README's verdict row and bullet, cppo.md's tables and verdict, results.md's sentences:
+    CPPO's pairs against P = 0 run to the end, as bench.py prints them, the p values and the
+    verdict word."""
+    bench, tables, claims = bench_claims()
     seeds_ = pair_seeds("cppo")
-    if not seeds_:
-        pytest.skip("CPPO: no pair yet; its pages say 0 of 6")
+    if len(seeds_) < LEAST_SEEDS:
+        pytest.skip(f"CPPO: {len(seeds_)} of {LEAST_SEEDS} pairs; its pages say no verdict")
     on, off = pair_tables("cppo")
+    p_fall, p_kept, n, passed = claims["cppo"]
     metric, accuracy = PRIMARY["cppo"]
+    assert p_fall < 0.05 / 4  # the time fell, even at Holm's strictest step
+    b = tables["cppo paired"], tables["cppo ablation"]
+    time = bench.estimate(b[0][metric], b[1][metric], ",.0f")
+    acc = bench.estimate(b[0][accuracy], b[1][accuracy], ".3f")
     means = {name: (float(np.mean(list(on[name].values()))),
                     float(np.mean(list(off[name].values())))) for name in on}
     ratio = means[metric][0] / means[metric][1]
-    n = len(seeds_)
-    printed("../README.md", "CPPO: in its first @ pairs its whole run took @× of the P = 0 run's "
-            "training time, and its final test accuracy was @ against @", n, ratio,
-            *means[accuracy])
+    row = readme_verdict_rows()["CPPO"]
+    assert row[3] == f"training s {time}, {ratio:.2f}×; final test accuracy {acc}"
+    if passed:
+        said = f"holds here: the time fell ({ratio:.2f}×) and accuracy stayed within {MARGIN}"
+    else:
+        said = (f"not shown at {n} seeds: the time fell ({ratio:.2f}×) but accuracy within "
+                f"{MARGIN} is not shown")
+    assert row[4] == said
+    assert all(on[metric][s] < off[metric][s] for s in seeds_)  # "in every seed"
+    printed("../README.md", "CPPO: its whole run took @× of the P = 0 run's training time, and "
+            "its final test accuracy was @ against @.", ratio, *means[accuracy])
     names = [metric, accuracy, f"questions to {TARGET}", f"training s to {TARGET}",
              f"rollouts to {TARGET}", f"generated tokens to {TARGET}", EQUAL_TIME,
              "best validation accuracy", "steps to peak"]
     prints_pair_rows("cppo.md", on, off, seeds_, names)
+    assert f"p₁ = {p_fall:.2g} that the time did not fall, p₂ = {p_kept:.2g}" in doc("cppo.md")
+    word = "holds here" if passed else f"not shown at {n} seeds"
+    assert f"**Verdict: {word}.**" in doc("cppo.md")
     for page in ("cppo.md", "results.md"):
-        printed(page, "CPPO's whole run took @ s of training against @ s, @×", *means[metric],
-                ratio)
+        printed(page, "The time fell in every seed, to @× of the P = 0 run's", ratio)
+        printed(page, "CPPO's whole run took @ s of training against @ s", *means[metric])
         printed(page, "Its final test accuracy was @ against @", *means[accuracy])
+    low, t_low = (intervals(on[accuracy], off[accuracy])[i] for i in (1, 4))
+    printed("results.md", "The lower ends of that difference's intervals, @ and @,", low, t_low)
+    part = "p₂" if p_kept >= p_fall else "p₁"
+    printed("results.md", f"CPPO's p is its {part}, @", max(p_fall, p_kept))
+    printed("cppo.md", "on this task and this machine: @× of the time is a speed-up of @×", ratio,
+            1 / ratio)
     printed("cppo.md", "P = 0 run's peak came at step @–@ of its 640",
             min(off["steps to peak"].values()), max(off["steps to peak"].values()))
 
@@ -1190,6 +1226,8 @@ def test_readme_verdict_is_one_table_and_pending_claims_say_so():
             assert rows[name][3:] == [measured, f"no verdict: {n} of {LEAST_SEEDS} pairs"]
             assert f"**Verdict: none yet, {n} of {LEAST_SEEDS} pairs.**" in doc(f"{m}.md"), m
             said = f"{name}'s claim has no verdict yet: {n} of {LEAST_SEEDS} pairs."
+        elif bench_claims()[2][m][3]:
+            said = f"{name}'s claim holds here at {n} seeds."
         else:
             said = f"{name}'s claim is not shown at {n} seeds."
         assert said in doc("README.md"), m  # docs/README.md, the map
@@ -1212,6 +1250,9 @@ def test_readme_states_the_cost_of_the_pairs():
     minutes = {"cppo": 60, "two_grpo": 28}  # a pair still to run: as long as the ones made
     missing = {m: LEAST_SEEDS - len(pair_seeds(m)) for m in minutes}
     missing = {m: k for m, k in missing.items() if k}
+    if not missing:
+        assert "Still to run" not in doc("../README.md")
+        return
     hours = sum(k * minutes[m] for m, k in missing.items()) / 60
     parts = [f"{NAMES[m]}'s {k} pairs, about {minutes[m]} minutes a pair" for m, k in
              missing.items()]
