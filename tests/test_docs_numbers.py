@@ -961,7 +961,7 @@ def test_primary_claims_by_bench_and_by_hand():
             assert (f"| {m} | {metric}: not run yet | {accuracy}: not run yet | - | - | "
                     f"no verdict: 0 of {LEAST_SEEDS} pairs |") in text, m
             continue
-        # the pairs so far of a claim with fewer than 6: bench's estimates, and no verdict
+        # bench's estimates and p values; the verdict word: Holm's, or none before 6 pairs
         verdict = "holds here" if passed else f"not shown at {n} seeds"
         verdict = verdict if n >= LEAST_SEEDS else f"no verdict: {n} of {LEAST_SEEDS} pairs"
         on, off = pair_tables(m)
