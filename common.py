@@ -511,7 +511,7 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
         batch = [samples[i] for i in micro_batch]
         logps = packed_logprobs(model, batch, temperature=passes.temperature,
                                 vocab_size=passes.vocab_size, chunk=passes.chunk,
-                                shared=passes.shared)  # [N]
+                                shared=passes.shared, packed=passes.packed)  # [N]
         device = logps.device
         # each sample's advantage and coefficient, repeated over its tokens: [N] each
         advantages = torch.tensor([s.advantage for s in batch for _ in s.completion_ids],
@@ -581,7 +581,7 @@ def sequence_logprobs(model, samples, passes):
         batch = [samples[i] for i in micro_batch]
         logps = packed_logprobs(model, batch, temperature=passes.temperature,
                                 vocab_size=passes.vocab_size, chunk=passes.chunk,
-                                shared=passes.shared)  # [N]
+                                shared=passes.shared, packed=passes.packed)  # [N]
         lengths = [len(s.completion_ids) for s in batch]
         for i, sample_logps in zip(micro_batch, logps.float().cpu().split(lengths)):
             by_index[i] = sample_logps
@@ -596,19 +596,25 @@ class AdapterOff:
         self.policy = policy
 
 
-def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=False):
+def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=False,
+                    packed=True):
     """Per-token log-probs [N] of the completions of `samples`, in one packed forward pass.
-    docs/grpo.md#eq-logprob"""
+    `packed` False: one forward per sequence, for a model whose attention cannot tell a packed
+    row's sequences apart (check_packing decides). docs/grpo.md#eq-logprob"""
+    if not packed:
+        alone = [packed_logprobs(model, [s], temperature, vocab_size, chunk) for s in samples]
+        return torch.cat(alone)  # [N]
     device = next(model.parameters()).device
     input_ids, position_ids, predict, targets = packed_inputs(samples, device, shared)
     head = model.get_output_embeddings()
     on_gpu = device.type == "cuda"
     with torch.autocast(device.type, torch.bfloat16, enabled=on_gpu):  # bf16 on GPU only
         # The decoder alone: the LM head runs below, on the predicting rows only. No attention
-        # mask: that is what tells varlen_mask the row is packed (a mask or a cache would let the
-        # sequences see each other).
-        out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                  attention_mask=None, use_cache=False)
+        # mask, and every mask the model makes is this row's packed layout (packed_row, Part II):
+        # a mask or a cache would let the sequences see each other.
+        with packed_row(position_ids):
+            out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                      attention_mask=None, use_cache=False)
         hidden = out.last_hidden_state[0]  # [T, d]
         weight = head.weight[:vocab_size]  # [V, d]: the rows past vocab_size are padding
         bias = None
@@ -749,18 +755,38 @@ Passes = collections.namedtuple(
         "chunk",  # rows per chunk of the LM head and its log-softmax
         "pack",  # how policy_update packs samples into micro-batches: DPPO's hook (window_pack)
         "shared",  # each group's prompt laid out once before its completions
+        "packed",  # sequences share a row (False: the model's attention cannot tell them apart)
     ],
-    defaults=(1024, pack_microbatches, False),
+    defaults=(1024, pack_microbatches, False, True),
 )
 
 
 # 8. Attention of a packed row: each sequence attends to itself (and to its shared prompt) only.
-#    transformers calls varlen_mask once per forward, then varlen_attention in every layer;
-#    varlen_attention reads the row's sequences from its position ids (row_sequences), and on
-#    the CPU runs them in buckets (seq_layout).
+#    packed_logprobs runs the decoder inside packed_row(position_ids); transformers then calls
+#    varlen_mask once per mask kind (full, sliding window) and varlen_attention in every layer,
+#    which reads the row's sequences from the position ids (row_sequences) and, on the CPU, runs
+#    them in buckets (seq_layout). Sliding windows and attention sinks (gpt-oss) are computed as
+#    the model's own attention does (docs/grpo.md#architectures).
 
-PACKED = "packed row"  # what varlen_mask hands every layer instead of a [T, T] mask
+# The packed row of the forward under way (its position ids), or None: set by packed_row
+PACKED_ROW = contextvars.ContextVar("packed_row", default=None)
+# What varlen_mask hands a layer instead of a [T, T] mask: the row's position ids (None: the
+# layer's own position_ids argument) and the layer's sliding window (None: full attention)
+Packed = collections.namedtuple("Packed", "position_ids window", defaults=(None, None))
+PACKED = Packed()
 BUCKET_RATIO = 0.8  # a sequence joins a bucket whose longest is at most 1.25x its length
+
+
+@contextlib.contextmanager
+def packed_row(position_ids):
+    """Within it, every mask the model asks for is the packed layout of this row: also for a model
+    whose own masks do not look at the position ids (gpt-oss), which would otherwise attend across
+    the row's sequences."""
+    token = PACKED_ROW.set(position_ids)
+    try:
+        yield
+    finally:
+        PACKED_ROW.reset(token)
 
 
 # Once per forward: every layer gets the same position_ids tensor. The cache is keyed on the tensor
@@ -787,13 +813,14 @@ def row_sequences(position_ids):
 
 # A bucket of sequences that one sdpa call runs: `count` sequences, `key_len` key slots and
 # `query_len` query slots each (padded to the bucket's longest), and `mask`: booleans
-# [count, 1, query_len, key_len] for completions after a shared prompt, None for square
-# sequences (sdpa's causal flag).
+# [count, 1, query_len, key_len] for completions after a shared prompt or past a sliding window,
+# None where sdpa's causal flag is the mask.
 Bucket = collections.namedtuple("Bucket", "count key_len query_len mask")
 
 
-@functools.lru_cache(maxsize=1)
-def seq_layout(position_ids):
+# (a model with sliding-window layers asks for two layouts a forward, one per window: 4 kept)
+@functools.lru_cache(maxsize=4)
+def seq_layout(position_ids, window=None):
     """How the CPU path runs a packed row: (buckets, keys [Rk], queries [Rq], scatter [T]).
 
     Sequences of similar key length share a bucket. A square sequence (an unshared one, or a
@@ -802,6 +829,7 @@ def seq_layout(position_ids):
     `keys` and `queries` give the row behind each slot, bucket after bucket; a sequence shorter
     than its bucket is padded with its own last row. `scatter[t]` is the query slot that holds row
     t's output: its first, which is never padding (padding repeats a row already placed).
+    `window`: a sliding-window layer's, whose buckets longer than it get shared_mask's window.
 
     Example 1: positions 0 1 2 3 4 | 3 are a prompt of 3 rows with a completion of 2 (rows
     0-4), and a second completion of 1 row (row 5, position 3: it runs behind rows 0-2).
@@ -837,10 +865,12 @@ def seq_layout(position_ids):
             own_rows = seqs[i][n_keys[i] - n_queries[i]:]  # its queries: its own rows only
             keys += seqs[i] + [last] * (key_len - n_keys[i])
             queries += own_rows + [last] * (query_len - len(own_rows))
-        mask = None  # square: sdpa's causal flag
-        if shared[group[0]]:
+        mask = None  # square within the window: sdpa's causal flag
+        if shared[group[0]] or (window and key_len > window):
             keys_before = [n_keys[i] - n_queries[i] for i in group]  # each one's prompt rows
-            mask = torch.tensor(shared_mask(keys_before, query_len, key_len), device=device)
+            own = [n_queries[i] for i in group]
+            mask = shared_mask(keys_before, own, query_len, key_len, window)
+            mask = torch.tensor(mask, device=device)
         buckets.append(Bucket(len(group), key_len, query_len, mask))
     scatter = first_slots(queries)
     keys = torch.tensor(keys, device=device)  # [Rk]
@@ -849,17 +879,27 @@ def seq_layout(position_ids):
     return buckets, keys, queries, scatter
 
 
-def shared_mask(keys_before, query_len, key_len):
-    """[count, 1, query_len, key_len] booleans of a bucket of completions after a shared prompt:
-    query j of a sequence with k keys before its first query sees keys 0 .. k + j. keys_before
-    [2, 1], query_len 2, key_len 4 (the first sequence 2 prompt rows + 2 own, the second 1 + 1,
-    padded):
+def shared_mask(keys_before, own, query_len, key_len, window=None):
+    """[count, 1, query_len, key_len] booleans of a bucket: query j of a sequence with k keys
+    before its first query (its prompt's rows) sits at key slot k + j and sees keys 0 .. k + j;
+    with a `window`, only the last `window` of them (key > k + j - window, as transformers'
+    sliding window). A padded query (j >= own, its sequence's queries) sees what its last real
+    one sees, so that no row is empty. keys_before [2, 1], own [2, 1], query_len 2, key_len 4 (the
+    first sequence 2 prompt rows + 2 own, the second 1 + 1, padded):
         sequence 0   query 0: 1 1 1 0    sequence 1   query 0: 1 1 0 0
-                     query 1: 1 1 1 1                 query 1: 1 1 1 0 (padding: its last row)"""
+                     query 1: 1 1 1 1                 query 1: 1 1 0 0 (padding: its last row)
+    The same with window 2:
+        sequence 0   query 0: 0 1 1 0    sequence 1   query 0: 1 1 0 0
+                     query 1: 0 0 1 1                 query 1: 1 1 0 0"""
     keys_before = np.array(keys_before)[:, None, None, None]  # [count, 1, 1, 1]
-    query_rows = np.arange(query_len)[:, None]  # [query_len, 1]
+    last = np.array(own)[:, None, None, None] - 1  # [count, 1, 1, 1]
+    query_rows = np.minimum(np.arange(query_len)[:, None], last)  # [count, 1, query_len, 1]
+    at = keys_before + query_rows  # each query's own key slot
     key_cols = np.arange(key_len)  # [key_len]
-    return key_cols <= keys_before + query_rows  # [count, 1, query_len, key_len]
+    mask = key_cols <= at  # [count, 1, query_len, key_len]
+    if window:
+        mask &= key_cols > at - window
+    return mask
 
 
 def first_slots(queries):
@@ -869,36 +909,47 @@ def first_slots(queries):
     return slots
 
 
-def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, **kwargs):
-    """The mask function of attn_implementation="varlen": PACKED for a packed row, else sdpa's.
+def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, local_size=None, **kwargs):
+    """The mask function of attn_implementation="varlen": a Packed layout for a packed row, else
+    sdpa's mask.
 
-    transformers' create_causal_mask detects a packed row itself: no attention mask, no cache, and
-    position ids that restart inside the row (masking_utils' find_packed_sequence_indices); it
-    then turns allow_is_causal_skip off. Only an or_/and_mask_function, block_sequence_ids or a
-    compiled cache while decoding turn it off too, and nothing here passes those. So "no mask and
-    no causal skip" means a packed row, and we hand the layers PACKED instead of the [T, T] mask
-    transformers would build for it."""
+    A row is packed inside packed_row, whatever the model hands its mask functions (gpt-oss hands
+    no position ids). Outside it, transformers' create_causal_mask detects a packed row itself: no
+    attention mask, no cache, and position ids that restart inside the row (masking_utils'
+    find_packed_sequence_indices); it then turns allow_is_causal_skip off. Only an
+    or_/and_mask_function, block_sequence_ids or a compiled cache while decoding turn it off too,
+    and nothing here passes those. `local_size`: the sliding window, for a sliding layer's mask."""
+    row = PACKED_ROW.get()
+    if row is not None:
+        return Packed(row, local_size)
     if attention_mask is None and not allow_is_causal_skip:
-        return PACKED
+        return Packed(None, local_size)
     return sdpa_mask(attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip,
-                     **kwargs)
+                     local_size=local_size, **kwargs)
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      position_ids=None, **kwargs):
     """[1, H, T, d] each -> ([1, T, Hq, d], None): a packed row's sequences, each on its own
-    (sdpa per bucket; flash on a GPU). Anything else goes to transformers' sdpa."""
-    if attention_mask is not PACKED:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling,
-                                      **kwargs)
-    window = kwargs.get("sliding_window")
+    (sdpa per bucket; flash on a GPU), with the layer's sliding window and attention sinks.
+    Anything else (HF generate's padded batches) goes to sdpa, never a packed row (check_unpacked).
+    """
+    sinks = kwargs.get("s_aux")  # gpt-oss: a learnt logit per head that takes a share of softmax
+    if not isinstance(attention_mask, Packed):
+        check_unpacked(module, query, attention_mask, position_ids)
+        if sinks is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout,
+                                          scaling, **kwargs)
+        return sink_attention(query, key, value, attention_mask, sinks, dropout, scaling), None
+    if attention_mask.position_ids is not None:  # packed_row's
+        position_ids = attention_mask.position_ids
+    window = attention_mask.window
     # on an Ampere or newer GPU under autocast, one flash kernel call for the row, nothing padded
-    if query.is_cuda and torch.is_autocast_enabled("cuda") and not (dropout or window):
-        if torch.cuda.get_device_capability(query.device) >= (8, 0):
-            return flash_attention(query, key, value, position_ids, scaling), None
-    buckets, keys, queries, scatter = seq_layout(position_ids)
-    if window and max(bucket.key_len for bucket in buckets) > window:
-        raise NotImplementedError("a sequence is longer than the sliding window: use --attn sdpa")
+    # (dropout and sinks: the bucketed path)
+    flash = query.is_cuda and torch.is_autocast_enabled("cuda") and not dropout and sinks is None
+    if flash and torch.cuda.get_device_capability(query.device) >= (8, 0):
+        return flash_attention(query, key, value, position_ids, scaling, window), None
+    buckets, keys, queries, scatter = seq_layout(position_ids, window)
     q = query[0].transpose(0, 1).index_select(0, queries)  # [Rq, Hq, d]
     k = key[0].transpose(0, 1).index_select(0, keys)  # [Rk, Hkv, d]
     v = value[0].transpose(0, 1).index_select(0, keys)  # [Rk, Hkv, d]
@@ -914,13 +965,54 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         bq = q[q_start:q_end].unflatten(0, (count, bucket.query_len)).transpose(1, 2)
         bk = k[k_start:k_end].unflatten(0, (count, bucket.key_len)).transpose(1, 2)
         bv = v[k_start:k_end].unflatten(0, (count, bucket.key_len)).transpose(1, 2)
-        o = torch.nn.functional.scaled_dot_product_attention(  # [count, Hq, query_len, d]
-            bq, bk, bv, attn_mask=bucket.mask, dropout_p=dropout, is_causal=bucket.mask is None,
-            scale=scaling, enable_gqa=True)
+        if sinks is None:
+            o = torch.nn.functional.scaled_dot_product_attention(  # [count, Hq, query_len, d]
+                bq, bk, bv, attn_mask=bucket.mask, dropout_p=dropout,
+                is_causal=bucket.mask is None, scale=scaling, enable_gqa=True)
+        else:
+            o = sink_attention(bq, bk, bv, bucket.mask, sinks, dropout, scaling).transpose(1, 2)
         out.append(o.transpose(1, 2).flatten(0, 1))  # [count query_len, Hq, d]
         q_start = q_end
         k_start = k_end
     return torch.cat(out).index_select(0, scatter)[None], None  # [1, T, Hq, d]
+
+
+def check_unpacked(module, query, attention_mask, position_ids):
+    """Raise if a packed row reaches attention without the packed layout: one row whose position
+    ids restart inside it, with no cache (queries as many as keys) and no padding mask. Without
+    this, sdpa would run the row as one sequence, each attending to the ones before it."""
+    if position_ids is None or position_ids.shape[0] != 1 or query.shape[2] < 2:
+        return
+    if attention_mask is not None and attention_mask.shape[-1] != query.shape[2]:
+        return  # a cache: keys past the queries
+    restarts = (position_ids[0, 1:] != position_ids[0, :-1] + 1).any()
+    if restarts.item():
+        raise RuntimeError(f"a packed row (position ids that restart inside it) reached "
+                           f"{type(module).__name__}'s attention without the packed layout: its "
+                           "sequences would attend to each other. Run it inside "
+                           "common.packed_row(position_ids), or use --attn eager")
+
+
+def sink_attention(query, key, value, mask, sinks, dropout, scaling):
+    """Attention with sinks (gpt-oss): softmax over each query's scores and its head's sink logit,
+    the sink's share adding nothing to the output. [B, Hq, q, d], [B, Hkv, k, d] (twice), mask
+    booleans [B, 1, q, k] or None (causal from the bottom right), sinks [Hq] -> [B, q, Hq, d].
+    The sink is one more key of value 0 whose score is the sink's logit (an additive mask: its key
+    is 0, so q . k contributes nothing)."""
+    batch, heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    if mask is None:  # causal, aligned at the bottom right (a cache's keys come first)
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+    bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+    bias = bias.masked_fill(~mask, -math.inf).expand(batch, heads, q_len, k_len)  # [B, Hq, q, k]
+    sink = sinks.to(query.dtype)[None, :, None, None].expand(batch, heads, q_len, 1)  # [B,Hq,q,1]
+    bias = torch.cat([bias, sink], dim=-1)  # [B, Hq, q, k + 1]
+    zero = key.new_zeros(batch, key.shape[1], 1, key.shape[3])  # [B, Hkv, 1, d]
+    key = torch.cat([key, zero], dim=2)  # [B, Hkv, k + 1, d]
+    value = torch.cat([value, zero], dim=2)  # [B, Hkv, k + 1, d]
+    out = torch.nn.functional.scaled_dot_product_attention(  # [B, Hq, q, d]
+        query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)  # [B, q, Hq, d]
 
 
 AttentionInterface.register("varlen", varlen_attention)  # attn_implementation="varlen"
@@ -944,10 +1036,10 @@ def flash_layout(position_ids):
     return index(starts), index(key_bounds), index(key_rows), longest_query, longest_keys
 
 
-def flash_attention(query, key, value, position_ids, scaling):
+def flash_attention(query, key, value, position_ids, scaling, window=None):
     """[1, H, T, d] each -> [1, T, Hq, d]: one flash call for the row, each sequence's queries
     against its key rows, causal from the bottom right (a completion's first query sees its whole
-    prompt), in autocast's dtype."""
+    prompt), within the sliding `window` if any, in autocast's dtype."""
     cu_q, cu_k, key_rows, max_q, max_k = flash_layout(position_ids)
     dtype = torch.get_autocast_dtype(query.device.type)  # bf16
     q = query[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hq, d]
@@ -966,7 +1058,10 @@ def flash_attention(query, key, value, position_ids, scaling):
         group = q.shape[1] // k.shape[1]  # query heads per key/value head
         k = k.repeat_interleave(group, dim=1)  # [K, Hq, d]
         v = v.repeat_interleave(group, dim=1)  # [K, Hq, d]
-    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0),
+    # (left, right) keys a query sees around its own: all before it, or the window's last - 1
+    # before it (transformers' key > query - window)
+    window_size = (-1, 0) if not window else (window - 1, 0)
+    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=window_size,
                       **gqa)
     return out[None]  # [1, T, Hq, d]
 
@@ -1001,6 +1096,94 @@ def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=F
     if frozen:
         return model.eval().requires_grad_(False)
     return model.train()
+
+
+PROBE_TOLERANCE = 1e-3  # nats per token: fp32's summation order moves a log-prob by ~1e-6
+# the layer kinds the packed attention computes; any other token mixer (a convolution, a linear
+# or recurrent layer, chunked attention) would run over the whole row
+ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+
+
+def check_packing(model, passes, attn, longest):
+    """The start-up check, before the first rollout: the packed log-probs of a probe against each
+    of its sequences alone through the model's own eager attention, in the trainer's dtype. The
+    probe is a prompt with two completions (laid out once with --shared_prompt) and a second
+    prompt with one, the longest past the model's shortest sliding window where the run's
+    sequences (`longest` tokens) can pass it. Returns the passes to train with: these, or, for
+    --attn eager / sdpa / flash_attention_2 on a model whose masks do not see a packed row, each
+    sequence in a forward of its own. Past the tolerance with --attn varlen, or alone: one line,
+    exit 2. docs/grpo.md#architectures"""
+    config = model.config
+    arch = (config.architectures or [config.model_type])[0]
+    others = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYERS)
+    if others and attn == "varlen":
+        die(f"{arch}: its {', '.join(others)} layers would mix a packed row's sequences: "
+            "--attn eager runs each sequence in a forward of its own")
+    window = getattr(config, "sliding_window", None) or math.inf
+    length = min(24 if window >= longest else window + 8, longest)
+    gen = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(passes.vocab_size, (n,), generator=gen).tolist()
+    prompt = tokens(5)
+    probe = [Sample(prompt, tokens(max(1, length - 5))), Sample(prompt, tokens(2)),
+             Sample(tokens(3), tokens(4))]
+    training = model.training
+    model.eval()  # no dropout
+    try:
+        with torch.no_grad():
+            want, noise = eager_logprobs(model, probe, passes.vocab_size)
+            # bf16 on a GPU: the model's own bf16 forward is `noise` from its fp32 one
+            tolerance = PROBE_TOLERANCE + 4 * noise
+            error = math.inf  # (a model with other token mixers is not packed at all)
+            if not others:
+                got = packed_logprobs(model, probe, 1.0, passes.vocab_size, passes.chunk,
+                                      passes.shared)
+                error = (got.float() - want).abs().max().item()
+            alone = error
+            if error > tolerance and attn != "varlen":  # its masks do not see the packing
+                passes = passes._replace(packed=False, shared=False)
+                got = packed_logprobs(model, probe, 1.0, passes.vocab_size, packed=False)
+                alone = (got.float() - want).abs().max().item()
+    except Exception as e:  # (an architecture the packed step cannot run at all)
+        die(f"{arch}: the start-up probe of --attn {attn} failed ({e!r:.200}): --attn eager "
+            "runs the model as it does")
+    model.train(training)
+    if alone > tolerance:
+        die(f"{arch}: on the start-up probe the packed step's log-probs differ from the model's "
+            f"own by {alone:.2g} nats (tolerance {tolerance:.0e}): --attn {attn} does not compute "
+            "this architecture's attention as it does; --attn eager runs it as the model does")
+    where = f"{len(probe)} probe sequences of up to {length} tokens"
+    against = f"against each alone through {arch}'s own eager attention"
+    if passes.packed:
+        print(f"packing check: {where} packed, {against}: max |error| {error:.1e} nats "
+              f"(tolerance {tolerance:.0e})")
+    else:
+        why = f"its {', '.join(others)} layers" if others else "its masks do not see a packed row"
+        print(f"packing check: --attn {attn} runs each sequence of {arch} in a forward of its own "
+              f"({why}; packed: max |error| {error:.2g}), slower; {where}, {against}: max "
+              f"|error| {alone:.1e} nats (tolerance {tolerance:.0e})")
+    return passes
+
+
+def eager_logprobs(model, samples, vocab_size):
+    """Each sequence alone through the model's whole forward with its own eager attention: the
+    completions' log-probs [N] in fp32, and how far the same under bf16 autocast is from them
+    (0 on the CPU, which trains in fp32)."""
+    attn = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    device = next(model.parameters()).device
+    out = {}
+    for dtype in [torch.float32] + [torch.bfloat16] * (device.type == "cuda"):
+        logps = []
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.completion_ids], device=device)  # [1, L]
+            with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+                logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1, :vocab_size]
+            targets = torch.tensor(s.completion_ids, device=device)[:, None]  # [|o|, 1]
+            logps.append(logits.float().log_softmax(-1).gather(1, targets)[:, 0])
+        out[dtype] = torch.cat(logps)  # [N]
+    model.set_attn_implementation(attn)
+    noise = (out.get(torch.bfloat16, out[torch.float32]) - out[torch.float32]).abs().max().item()
+    return out[torch.float32], noise
 
 
 def add_lora(model, r, alpha, saved=None):
@@ -1427,6 +1610,11 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
         print(f"nothing to do: {args.out} finished at step {state['step']} (--steps {steps}, "
               f"--time_budget {args.time_budget:g})")
         raise SystemExit(0)
+    # (the shared prompt is varlen's: the other attentions repeat the prompt)
+    passes = Passes(args.temperature, len(tokenizer), args.token_budget, args.logprob_chunk,
+                    shared=args.shared_prompt and args.attn == "varlen")
+    # packed = each sequence alone, or one line and exit 2, before the engine loads
+    passes = check_packing(model, passes, args.attn, args.max_prompt_len + args.max_tokens)
     ref_model = None  # the frozen reference of the KL term: none at beta 0
     if args.beta and args.lora_r:  # LoRA's: the policy with its adapter off
         ref_model = AdapterOff(model)
@@ -1464,9 +1652,6 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
     if args.report_to != "none":  # wandb and trackio: the same init, log and finish calls
         tracker = importlib.import_module(args.report_to)
         tracker.init(project="faster-grpo", name=os.path.basename(args.out), config=run_config)
-    # (the shared prompt is varlen's: the other attentions repeat the prompt)
-    passes = Passes(args.temperature, len(tokenizer), args.token_budget, args.logprob_chunk,
-                    shared=args.shared_prompt and args.attn == "varlen")
     run = Run(
         args=args,
         tokenizer=tokenizer,

@@ -58,30 +58,50 @@ def tiny(tiny_dir):
 
 
 # The packed-equals-alone check runs across these architectures (tests/test_packing.py): each one's
-# own attention code (GQA, MQA, qk-norm, a custom attention scale, sliding-window layers) and its
-# own touch after the LM head (Gemma2's final_logit_softcapping, Cohere's logit_scale, Granite's
-# 1 / logits_scaling), which packed_logprobs must apply since it computes the head itself. Head
-# size 32, 2 layers, fp32; the embedding is padded past TINY_VOCAB.
+# own attention code (GQA, MQA, qk-norm, a custom attention scale, NoPE layers, sliding windows
+# shorter than the test sequences, per layer as layer_types declares them, gpt-oss's attention
+# sinks), mixtures of experts, and each one's own touch after the LM head (Gemma2's
+# final_logit_softcapping, Cohere's logit_scale, Granite's 1 / logits_scaling, Phi's head bias),
+# which packed_logprobs must apply since it computes the head itself. Head size 32, 2 layers, fp32;
+# the embedding is padded past TINY_VOCAB.
 TINY_VOCAB = 290
+WINDOW = 8  # every sliding window here: shorter than most test sequences (up to 32 tokens)
 _BASE = dict(vocab_size=TINY_VOCAB + 30, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=None,
              eos_token_id=1, tie_word_embeddings=False)
-ARCH_CONFIGS = {  # name -> (transformers config class name, its fields);
-    # none has a post-head touch but the last three
+SLIDING_THEN_FULL = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+ARCH_CONFIGS = {  # name -> (transformers config class name, its fields)
     "llama": ("LlamaConfig", dict(num_key_value_heads=1, attention_bias=True)),
-    "mistral": ("MistralConfig", dict(num_key_value_heads=1,
-                                      sliding_window=128)),  # window > every test sequence
+    "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=WINDOW)),  # every layer
     "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                     query_pre_attn_scalar=16, final_logit_softcapping=3.0,
-                                    attn_logit_softcapping=None, sliding_window=128)),
+                                    attn_logit_softcapping=None, **SLIDING_THEN_FULL)),
     "cohere": ("CohereConfig", dict(num_key_value_heads=1, logit_scale=0.25, use_qk_norm=True)),
     "granite": ("GraniteConfig", dict(num_key_value_heads=1, logits_scaling=4.0,
                                       embedding_multiplier=3.0, residual_multiplier=0.5,
                                       attention_multiplier=0.1)),
     # Phi's LM head has a bias (build_arch draws it, as every bias, from N(0, 0.02))
     "phi": ("PhiConfig", dict(num_key_value_heads=2)),
+    # qk-norm; the second layer slides (max_window_layers 1)
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=32, use_sliding_window=True,
+                                  sliding_window=WINDOW, max_window_layers=1)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=1, head_dim=32, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32)),
+    "gemma3": ("Gemma3TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                        query_pre_attn_scalar=16, **SLIDING_THEN_FULL)),
+    # attention sinks, a sliding layer, a mixture of experts
+    "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=1, head_dim=32, num_local_experts=4,
+                                     num_experts_per_tok=2, **SLIDING_THEN_FULL)),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=1, sliding_window=WINDOW,
+                                      num_local_experts=4, num_experts_per_tok=2)),
+    "olmo2": ("Olmo2Config", dict(num_key_value_heads=1)),
+    "olmo3": ("Olmo3Config", dict(num_key_value_heads=1, **SLIDING_THEN_FULL)),
+    "smollm3": ("SmolLM3Config", dict(num_key_value_heads=1, no_rope_layers=[1, 0])),  # NoPE
+    "glm4": ("Glm4Config", dict(num_key_value_heads=1, head_dim=32)),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=1, sliding_window=WINDOW)),
 }
 POST_HEAD = {"gemma2", "cohere", "granite", "phi"}  # their logits are not hidden @ lm_head.T
+WINDOWED = {"mistral", "gemma2", "qwen3", "gemma3", "gpt_oss", "mixtral", "olmo3", "phi3"}
 
 
 def build_arch(folder, arch, lm_head_scale=20.0, seed=0, **overrides):
