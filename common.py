@@ -1122,10 +1122,10 @@ def check_packing(model, passes, attn, longest):
     window = getattr(config, "sliding_window", None) or math.inf
     length = min(24 if window >= longest else window + 8, longest)
     gen = torch.Generator().manual_seed(0)
-    tokens = lambda n: torch.randint(passes.vocab_size, (n,), generator=gen).tolist()
-    prompt = tokens(5)
-    probe = [Sample(prompt, tokens(max(1, length - 5))), Sample(prompt, tokens(2)),
-             Sample(tokens(3), tokens(4))]
+    ids = torch.randint(passes.vocab_size, (max(length, 6) + 9,), generator=gen).tolist()
+    # a prompt of 5 tokens with completions of length - 5 and 2; a prompt of 3 with one of 4
+    probe = [Sample(ids[:5], ids[5:length]), Sample(ids[:5], ids[-9:-7]),
+             Sample(ids[-7:-4], ids[-4:])]
     training = model.training
     model.eval()  # no dropout
     try:

@@ -14,11 +14,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import RecordingOptimizer, build_tiny
+from conftest import ARCH_CONFIGS, TINY_VOCAB, RecordingOptimizer, build_tiny
 
 import common
-from common import (Passes, Sample, flash_attention, load_model, load_tokenizer, packed_inputs,
-                    policy_update, sequence_logprobs, token_coefficients, trainer_gib)
+from common import (Passes, Sample, check_packing, eager_logprobs, flash_attention, load_model,
+                    load_tokenizer, packed_inputs, policy_update, sequence_logprobs,
+                    token_coefficients, trainer_gib)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "docs"))
@@ -313,6 +314,41 @@ def test_the_flash_path_on_the_real_kernel(tmp_path, monkeypatch, kernel, shared
     assert not CALLS  # the buckets ran
     for f, b in zip(flash, buckets):
         assert f <= 2 * b + 2e-3 and f < 0.05, (flash, buckets)
+
+
+@gpu
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_the_zoo_on_the_gpu(arch_dir, arch, shared):
+    """tests/test_packing.py's architectures (sliding windows of 8 tokens, shorter than the GROUPS'
+    sequences; gpt-oss's sinks; mixtures of experts) on the GPU under bf16 autocast: the flash
+    path (gpt-oss: the bucketed sdpa, for its sinks), shared prompt or not, against each sequence
+    alone through the model's own eager attention in fp32. Log-probs within four times what the
+    model's own bf16 forward is from its fp32 one (+1e-3: the start-up check's tolerance), the
+    update's gradient within 0.05 (relative); and the start-up check passes it packed."""
+    model = load_model(arch_dir(arch), torch.device("cuda"))
+    samples = group_samples(TINY_VOCAB, seed=3)
+    passes = Passes(1.0, TINY_VOCAB, 4096, 7, shared=shared)
+    want_logps, loss = [], 0
+    for s in samples:  # the reference: fp32, each sequence alone, the model's eager attention
+        model.set_attn_implementation("eager")
+        ids = torch.tensor([s.prompt_ids + s.completion_ids], device="cuda")
+        p, n = len(s.prompt_ids), len(s.completion_ids)
+        logits = model(input_ids=ids).logits[0, p - 1:p + n - 1, :TINY_VOCAB].float()
+        lp = logits.log_softmax(-1).gather(1, ids[0, p:, None])[:, 0]  # [n]
+        want_logps.append(lp.detach().cpu())
+        loss = loss - s.coef * s.advantage * lp.sum()
+    model.zero_grad()
+    loss.backward()
+    want = (want_logps, {n: p.grad.float().cpu() for n, p in model.named_parameters()})
+    model.zero_grad()
+    with torch.no_grad():
+        _, noise = eager_logprobs(model.eval(), samples, TINY_VOCAB)
+    model.set_attn_implementation("varlen")
+    model.train()
+    logp, grad = errors(logprobs_and_grads(model, samples, passes), want)
+    assert logp <= 1e-3 + 4 * noise and grad < 0.05, (logp, noise, grad)
+    assert check_packing(model, passes, "varlen", 64).packed
 
 
 SCRIPTS = ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"]
