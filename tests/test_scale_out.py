@@ -1,9 +1,13 @@
 """The TRL plug-ins of scale_out/ (scale_out/README.md): on the tiny model and a fixed batch, each
 one's advantages, kept completions, coefficients, old and reference log-probs, loss and gradient
 equal the script's own step (common.policy_update); the differences that exist by design are
-pinned (TRL's own aggregation, the LM head's padded rows, DPPO without refill); and every plug-in
-runs for real under `accelerate launch` on two CPU processes (gloo), where both processes must
-select the same rows and the first step must equal the script's step on the gathered batch.
+pinned (TRL's own aggregation, the LM head's padded rows, DPPO without refill); each selection
+(CPPO's two scopes, MMR-GRPO's reweighting with each process embedding its own slice, DPPO's draw
+and how it shares the kept prompts out over the processes) is checked against one written out
+here by hand from the method's definition; and every plug-in runs for real under `accelerate
+launch` on two CPU processes (gloo), where both processes must select the same rows, that
+selection must equal the one recomputed by hand from the gathered rewards, and the first step
+must equal the script's step on the gathered batch.
 
 Needs trl and accelerate (pip line: scale_out/README.md); without them every test here skips.
 Run as a script (`accelerate launch ... tests/test_scale_out.py OUT DATA`), this file is the
@@ -17,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -40,6 +45,7 @@ from cppo import prune_batch  # noqa: E402
 from dppo import (candidate_window, completion_keep_probs, importance_coefficients,  # noqa: E402
                   systematic_sample)
 from mmr_grpo import embed, load_encoder, mmr_reweight  # noqa: E402
+import scale_out.trl_dppo as trl_dppo  # noqa: E402
 from scale_out.trl_cppo import CPPOTrainer  # noqa: E402
 from scale_out.trl_dppo import DPPOTrainer  # noqa: E402
 from scale_out.trl_grpo import GRPOPlugin  # noqa: E402
@@ -167,6 +173,104 @@ def assert_agrees(trainer, batch, tiny_dir, samples, beta=0.0, mu=1, clip=(0.2, 
     return trl_grads
 
 
+# ------------------------------------------------------------------ the methods, by hand
+# Each method's selection written out here from its definition (docs/), apart from the script
+# functions the plug-ins import, so that a plug-in that wires them wrong cannot agree with itself.
+
+def advantages_by_hand(rewards, ddof, eps):
+    """(r - mean) / (std + eps) per group [Q][G], a tied group all 0: docs/grpo.md#eq-advantage."""
+    out = []
+    for group in rewards:
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (len(group) - ddof))
+        tied = max(group) == min(group)
+        out.append([0.0 if tied else (r - mean) / (std + eps) for r in group])
+    return out
+
+
+def largest_abs(values, n):
+    """The indices (ascending) of the n largest |values|, a tie to the lower index: CPPO's rule
+    (docs/cppo.md#eq-prune-batch over a batch, #eq-prune-question over a group)."""
+    order = sorted(range(len(values)), key=lambda i: (-abs(values[i]), i))
+    return sorted(order[:n])
+
+
+def mmr_by_hand(rewards, embeddings):
+    """One group's rewards [G] reweighted by MMR over its completions' embeddings [G, d]
+    (docs/mmr_grpo.md#eq-mmr, the similarity floored at 0): lambda = sigmoid(the population std of
+    the rewards); the best reward (the lowest index among equals) is picked first and keeps it;
+    then, again and again, the unpicked i with the highest lambda r_i - (1 - lambda) b_i, b_i its
+    largest cosine similarity to a picked one, is picked and gets that score as its reward."""
+    G = len(rewards)
+    mean = sum(rewards) / G
+    lam = 1 / (1 + math.exp(-math.sqrt(sum((r - mean) ** 2 for r in rewards) / G)))
+    unit = torch.nn.functional.normalize(embeddings.double(), dim=-1)
+    sim = (unit @ unit.T).tolist()  # [G][G] cosine similarities
+    new = list(rewards)
+    picked = [max(range(G), key=lambda i: (rewards[i], -i))]
+    while len(picked) < G:
+        score = {i: lam * rewards[i] - (1 - lam) * max(0.0, *(sim[i][j] for j in picked))
+                 for i in range(G) if i not in picked}
+        best = max(score, key=lambda i: (score[i], -i))
+        new[best] = score[best]
+        picked.append(best)
+    return new
+
+
+def systematic_by_hand(pi, u):
+    """Systematic sampling (docs/dppo.md#eq-draw): item k is kept when one of the points u, u + 1,
+    u + 2, ... falls in [pi_1 + ... + pi_(k-1), pi_1 + ... + pi_k)."""
+    points = [u + m for m in range(math.ceil(sum(pi)) + 1)]
+    kept = []
+    low = 0.0
+    for k, p in enumerate(pi):
+        if any(low <= x < low + p for x in points):
+            kept.append(k)
+        low += p
+    return kept
+
+
+def completion_pi_by_hand(advantages, r_o, floor):
+    """DPPO's completion keep probabilities (docs/dppo.md#eq-completion-keep): pi_i = clip(c |A_i|,
+    low, 1) with c such that they sum to (1 - r_o) n; low is the floor, raised when the A != 0 rows
+    cannot reach that sum alone. c by bisection: the sum grows with c."""
+    a = [abs(x) for x in advantages]
+    target = (1 - r_o) * len(a)
+    nonzero = sum(x > 0 for x in a)
+    low = max(floor, min(1.0, (target - nonzero) / max(1, len(a) - nonzero)))
+    lo = 0.0
+    hi = 1 / min(x for x in a if x > 0) if nonzero else 1.0  # every A != 0 at pi 1
+    for _ in range(100):
+        c = (lo + hi) / 2
+        if sum(min(1.0, max(low, c * x)) for x in a) < target - 1e-9:
+            lo = c
+        else:
+            hi = c
+    return [min(1.0, max(low, hi * x)) for x in a]
+
+
+def test_the_methods_by_hand():
+    """The helpers above agree with the scripts' own functions on a few batches, so a failure
+    against a plug-in is the plug-in's (a helper that drifted from its definition shows here)."""
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(3, 4, generator=g).round(decimals=1)
+    rewards[1] = 0.5  # a tied group
+    by_hand = advantages_by_hand(rewards.tolist(), 1, 1e-4)
+    want = group_advantages(rewards).tolist()
+    assert by_hand == [pytest.approx(a, abs=1e-6) for a in want]
+    flat = [a for group in by_hand for a in group]
+    assert largest_abs(flat, 7) == prune_batch(torch.tensor(by_hand).float(), 5 / 12)
+    embeddings = torch.randn(12, 5, generator=g)
+    reweighted = mmr_reweight(rewards, embeddings)[0]
+    for q in range(3):
+        got = mmr_by_hand(rewards[q].tolist(), embeddings[4 * q:4 * q + 4])
+        assert got == pytest.approx(reweighted[q].tolist(), abs=1e-12)
+    pi = completion_pi_by_hand(flat, 0.5, 0.1)
+    assert pi == pytest.approx(completion_keep_probs(flat, 0.5, 0.1).tolist(), abs=1e-9)
+    for u in np.linspace(0, 0.99, 12):
+        assert systematic_by_hand(pi, u) == systematic_sample(pi, u)
+
+
 def test_two_grpo_gives_plus_minus_one_and_drops_tied_pairs(tiny_dir, tmp_path):
     """docs/two_grpo.md#eq-pair-advantage, #skip-tied: pairs (1, 0), (1, 1), (0, 1), (0, 0) give
     exactly +-1 and 0 / 0; the tied pairs never reach a pass; c_i = 1 / (|o_i| 8), the
@@ -291,6 +395,91 @@ def test_mmr_grpo_reweights_whole_groups(tiny_dir, tmp_path):
     samples = [canned.sample(k // 4, k % 4, advantage=advantages.flatten()[k].item(), coef=c)
                for k, c in enumerate(coefs.tolist())]
     assert_agrees(trainer, batch, tiny_dir, samples, beta=0.04)
+
+
+def test_cppo_question_scope_keeps_each_groups_top_k(tiny_dir, tmp_path):
+    """docs/cppo.md#eq-prune-question: prune_scope="question" keeps the k = G(1 - P) = 3 largest
+    |A| of each group, recomputed here by hand from the rewards; on these the batch scope (the 6
+    largest of all 8) and k = 1 per group would keep other rows, so no other rule passes. c_i is
+    the token mean over the kept rows."""
+    rewards = [[1, 0, 0.05, 0.1], [1, 0.9, 0, 0.2]]  # |A| 1.49 .60 .50 .39 and .95 .75 1.05 .65
+    canned = Canned(load_tokenizer(tiny_dir), rewards)
+    trainer = trainer_for(CPPOTrainer, tiny_dir, tmp_path, canned, G=4, loss_type="dapo",
+                          settings={"pruning": 0.25, "prune_scope": "question"})
+    batch = trainer._generate_and_score_completions(generation_batch(trainer, range(2)))
+    chosen = trainer.last_selection
+    advantages = advantages_by_hand(rewards, 1, 1e-4)
+    assert chosen["advantages"].tolist() == [pytest.approx(a, rel=1e-6) for a in advantages]
+    kept = [4 * q + i for q, group in enumerate(advantages) for i in largest_abs(group, 3)]
+    assert chosen["kept"] == kept == [0, 1, 2, 4, 5, 6]
+    flat = [a for group in advantages for a in group]
+    assert largest_abs(flat, 6) != kept  # the batch scope
+    assert [4 * q + largest_abs(group, 1)[0] for q, group in enumerate(advantages)] != kept
+    assert_rows(trainer, batch, canned, kept, 4)
+    lengths = [len(canned.completions[PROMPTS[k // 4]][k % 4]) for k in kept]
+    assert batch["coef"].tolist() == pytest.approx([1 / sum(lengths)] * 6, rel=1e-6)
+
+
+def test_mmr_grpo_each_process_embeds_its_own_completions(tiny_dir, tmp_path, monkeypatch):
+    """Over two processes each one embeds the completions it generated, its slice of the gathered
+    batch, and the gathered embeddings follow the rewards' order: `select` run as process 0 and as
+    process 1 of 2 (the gather played here: the other process's slice embedded by hand beside
+    this one's) gives the rewards reweighted by MMR (written out here) over the embeddings of all
+    8 decoded completions, and their advantages."""
+    tokenizer = load_tokenizer(tiny_dir)
+    rewards = [[1, 0, 1, 0], [0, 0.5, 0, 1]]
+    canned = Canned(tokenizer, rewards)
+    trainer = trainer_for(MMRGRPOTrainer, tiny_dir, tmp_path, canned, G=4, loss_type="grpo",
+                          settings={"embed_model": tiny_dir})
+    samples = [canned.sample(q, i) for q in range(2) for i in range(4)]
+    texts = tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
+    encoder = load_encoder(tiny_dir, torch.device("cpu"))
+    slices = [encoder.encode(texts[:4], convert_to_tensor=True).float(),
+              encoder.encode(texts[4:], convert_to_tensor=True).float()]  # [4, d] per process
+    embeddings = torch.cat(slices)  # [8, d]
+    reweighted = [mmr_by_hand(rewards[q], embeddings[4 * q:4 * q + 4]) for q in range(2)]
+    assert reweighted[1] != mmr_by_hand(rewards[1], embeddings[:4])  # the slices tell apart
+    for rank in (0, 1):
+        def gather(mine):  # accelerate's gather as `rank` sees it: the other slice from by hand
+            assert torch.allclose(mine, slices[rank], atol=1e-6)  # this process's completions
+            return torch.cat([mine if r == rank else slices[r] for r in (0, 1)])
+
+        monkeypatch.setattr(trainer, "accelerator", types.SimpleNamespace(
+            num_processes=2, process_index=rank, device=torch.device("cpu"), gather=gather))
+        chosen = trainer.select(torch.tensor(rewards), samples)
+        monkeypatch.undo()
+        assert chosen["reweighted"].tolist() == [pytest.approx(r, abs=1e-6) for r in reweighted]
+        want = advantages_by_hand(reweighted, 1, 1e-4)
+        assert chosen["advantages"].tolist() == [pytest.approx(a, abs=1e-5) for a in want]
+
+
+def test_dppo_shares_the_kept_prompts_out_over_the_processes(tiny_dir, tmp_path, monkeypatch):
+    """docs/dppo.md#eq-draw, as process 0 and as process 1 of 2 (the gather played here): over a
+    window of 4 prompts, 2 from each process, whose pi_q are (1, 0.5, 1, 0.5) (prompts 1 and 3
+    tied last time; r_q 0.5, floor 0.1), the draw with u from default_rng([seed 0, step 0]),
+    systematic sampling written out here, keeps 3 prompts; process 0 rolls out the first two kept,
+    process 1 the third and a copy of the first (the copy is never trained): every kept prompt
+    once, none twice, none dropped."""
+    canned = Canned(load_tokenizer(tiny_dir), [[1, 0]] * 4)
+    trainer = trainer_for(DPPOTrainer, tiny_dir, tmp_path, canned, G=2, prompts=2)
+    trainer.history = {0: False, 1: True, 2: False, 3: True}
+    pi = [1.0, 0.5, 1.0, 0.5]
+    kept = systematic_by_hand(pi, np.random.default_rng([0, 0]).random())
+    assert len(kept) == 3
+    window = generation_batch(trainer, range(4))  # the two processes' generation batches
+    rolled = []
+    monkeypatch.setattr(GRPOPlugin, "_generate_and_score_completions",
+                        lambda self, batch: rolled.append([x[trl_dppo.ROW] for x in batch]))
+    monkeypatch.setattr(trl_dppo, "gather_object", lambda inputs: window)
+    for rank in (0, 1):
+        mine = window[4 * rank:4 * rank + 4]
+        monkeypatch.setattr(trainer, "accelerator", types.SimpleNamespace(num_processes=2,
+                                                                          process_index=rank))
+        trainer._generate_and_score_completions(mine)
+        assert trainer.draw["rows"] == kept
+        assert trainer.draw["prompt_pi"] == [pi[q] for q in kept]
+    assert rolled == [[q for q in share for _ in range(2)] for share in
+                      (kept[:2], kept[2:] + kept[:1])]
 
 
 def test_grpo_plugin_and_trls_own_seq_mean(tiny_dir, tmp_path):
@@ -427,6 +616,8 @@ def worker(out, data):
             row = {k: v.tolist() if torch.is_tensor(v) else v for k, v in chosen.items()}
             row["rows"] = [[samples[i].prompt_ids, samples[i].completion_ids]
                            for i in chosen["kept"]]
+            G = self.trainer.num_generations
+            row["prompts"] = [s.prompt_ids for s in samples[::G]]  # each group's, as gathered
             self.steps.append(row)
 
     for method, flags in METHODS.items():
@@ -493,6 +684,68 @@ def test_two_processes_select_the_same_rows(two_processes, method):
     assert all(math.isfinite(row["reward"]) for row in logged if "reward" in row)
     if method == "dppo":
         assert any(p < 1 for step in runs[0]["steps"] for p in step["prompt_pi"])
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_two_processes_select_what_the_method_selects(two_processes, method):
+    """Every step's selection, recomputed by hand (not through the plug-in) from the rewards TRL
+    gathered from both processes and the recorded rows: the advantages, the kept rows and their
+    c_i; MMR-GRPO's rewards reweighted over the toy encoder's embeddings of the completions, each
+    process's slice embedded apart as there; DPPO's pi_q from the groups that came before, its
+    completion draw (u from default_rng([seed 0, step])) and weights, and its rollouts: the two
+    processes roll out different prompts, every kept one once, then copies of the first."""
+    run = json.load(open(two_processes / f"{method}-0.json"))
+    G = int(flag(method, "--num_generations"))
+    ties = {}  # DPPO: prompt -> did its last group tie?
+    if method == "mmr_grpo":  # the worker's --embed_model toy, and the toy model's tokenizer
+        tokenizer = load_tokenizer(os.path.join(REPO, "toy", "model"))
+        encoder = load_encoder("toy", torch.device("cpu"))
+    for number, step in enumerate(run["steps"]):
+        rewards = step["rewards"]
+        N = G * len(rewards)
+        lengths = [max(1, len(c)) for _, c in step["rows"]]  # the kept rows'
+        weights = [1.0] * len(lengths)
+        if method == "two_grpo":  # +-1 per mixed pair, the tied pairs dropped, seq_mean over all
+            advantages = advantages_by_hand(rewards, 0, 0.0)
+            kept = [i for i, a in enumerate(sum(advantages, [])) if a != 0]
+            normaliser = [n * N for n in lengths]
+        elif method == "cppo":  # the int(N P) smallest |A| of the batch dropped, token_mean
+            advantages = advantages_by_hand(rewards, 1, 1e-4)
+            kept = largest_abs(sum(advantages, []), N - int(N * float(flag(method, "--pruning"))))
+            normaliser = [sum(lengths)] * len(lengths)
+        elif method == "mmr_grpo":  # every row kept, seq_mean
+            texts = tokenizer.batch_decode([c for _, c in step["rows"]], skip_special_tokens=True)
+            half = len(texts) // 2
+            embeddings = torch.cat([encoder.encode(part, convert_to_tensor=True,
+                                                   show_progress_bar=False).float()
+                                    for part in (texts[:half], texts[half:])])  # as each process
+            reweighted = [mmr_by_hand(r, embeddings[q * G:q * G + G])
+                          for q, r in enumerate(rewards)]
+            assert step["reweighted"] == [pytest.approx(r, abs=1e-5) for r in reweighted]
+            advantages = advantages_by_hand(reweighted, 1, 1e-4)
+            kept = list(range(N))
+            normaliser = [n * N for n in lengths]
+        else:  # dppo: the kept prompts' groups first, then the copies; c_i = w_i / (|o_i| S G)
+            prompts = [tuple(p) for p in step["prompts"]]
+            n = len(step["prompt_pi"])
+            assert len(set(prompts[:n])) == n  # no kept prompt rolled out twice
+            assert prompts[n:] == prompts[:1] * (2 * max(1, -(-n // 2)) - n)  # copies: the rest
+            assert step["prompt_pi"] == [0.5 if ties.get(p) else 1.0 for p in prompts[:n]]
+            ties.update((p, max(r) == min(r)) for p, r in zip(prompts, rewards[:n]))
+            advantages = advantages_by_hand(rewards[:n], 1, 1e-4)
+            pi = completion_pi_by_hand(sum(advantages, []), 0.5, 0.1)
+            assert step["completion_pi"] == pytest.approx(pi, rel=1e-6)  # A in float32 there
+            rng = np.random.default_rng([0, number])
+            rng.random()  # the prompt draw's u
+            kept = systematic_by_hand(pi, rng.random())
+            weights = [1 / (step["prompt_pi"][i // G] * pi[i]) for i in kept]
+            assert step["weights"] == pytest.approx(weights, rel=1e-6)
+            assert step["examined"] == 2 * int(flag(method, "--per_device_train_batch_size")) // G
+            normaliser = [n * step["examined"] * G for n in lengths]
+        assert step["advantages"] == [pytest.approx(a, abs=1e-5) for a in advantages]
+        assert step["kept"] == kept
+        assert step["coefs"] == pytest.approx([w / d for w, d in zip(weights, normaliser)],
+                                              rel=1e-5)
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
