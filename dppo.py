@@ -179,7 +179,7 @@ def importance_coefficients(lengths, prompt_pi, completion_pi, kept, n_examined,
     # (docs/dppo.md#eq-token-mean)
     tokens = sum(sum(lengths[q * G:(q + 1) * G]) / p for q, p in enumerate(prompt_pi))
     return token_coefficients([lengths[i] for i in kept], loss_agg, max_len=max_len,
-                              num_seqs=n_examined * G, num_tokens=tokens, weights=weights), weights
+                              whole=(n_examined * G, tokens, weights)), weights
 
 
 def packing_density(lengths, bins, budget):

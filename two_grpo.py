@@ -141,8 +141,9 @@ def rows_to_train(samples, loss_agg, max_len, num_seqs, skip_tied):
     rollout has zero loss and gradient: skipping it keeps the update if the normaliser still counts
     it. An all-tied batch keeps one row, whose zero gradient moves Adam.
     docs/two_grpo.md#skip-tied"""
-    coefs = token_coefficients([len(s.completion_ids) for s in samples], loss_agg, max_len=max_len,
-                               num_seqs=num_seqs)
+    lengths = [len(s.completion_ids) for s in samples]
+    coefs = token_coefficients(lengths, loss_agg, max_len=max_len,
+                               whole=(num_seqs, sum(lengths), 1.0))
     # an answer left unread (NaN reward) is never trained on
     keep = [i for i, s in enumerate(samples)
             if not math.isnan(s.reward) and (s.advantage != 0 or not skip_tied)] or [0]

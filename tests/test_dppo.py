@@ -272,8 +272,9 @@ def test_nothing_pruned_is_exactly_the_grpo_gradient(batch):
 
 
 def test_window_packer_drives_the_update_and_leaves_the_gradient_unchanged(tiny):
-    """policy_update packs with the packer it is given: window_pack's micro-batches run, with
-    first-fit-decreasing's gradient (the normalisers are global, so packing changes speed only)."""
+    """policy_update runs the micro-batches it is given, as dppo.py hands it window_pack's: they
+    run, with first-fit-decreasing's gradient (the normalisers are global, so packing changes
+    speed only)."""
     model, tokenizer = tiny
     # 10 18 10 2 tokens
     samples = make_samples(len(tokenizer), lengths=[(4, 6), (8, 10), (5, 5), (1, 1)])
@@ -281,14 +282,12 @@ def test_window_packer_drives_the_update_and_leaves_the_gradient_unchanged(tiny)
                                                      "seq_mean").tolist())
     kw = dict(KW, beta=0.0)
     passes = Passes(1.0, len(tokenizer), token_budget=20)
-    ffd, win, calls = RecordingOptimizer(model), RecordingOptimizer(model), []
+    ffd, win = RecordingOptimizer(model), RecordingOptimizer(model)
     stats_ffd = policy_update(model, ffd, samples, passes, **kw)
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-    pack = lambda samples, budget, shared: (calls.append(dppo.window_pack(lengths, budget, 1))
-                                            or calls[-1])
-    stats_win = policy_update(model, win, samples, passes._replace(pack=pack), **kw)
-    assert (len(calls) == 1
-            and stats_win["micro_batches"] == len(calls[0]) != stats_ffd["micro_batches"])
+    bins = dppo.window_pack(lengths, 20, 1)
+    stats_win = policy_update(model, win, samples, passes, micro_batches=bins, **kw)
+    assert stats_win["micro_batches"] == len(bins) != stats_ffd["micro_batches"]
     assert_grads_close(win.grads, ffd.grads, rel=1e-5)
 
 

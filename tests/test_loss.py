@@ -69,13 +69,15 @@ def test_token_coefficients_by_hand():
                                torch.tensor([1 / 6, 1 / 6]))
     torch.testing.assert_close(token_coefficients(lengths, "constant", max_len=5),
                                torch.tensor([1 / 10, 1 / 10]))
-    # importance weights and unpruned normalisers (what the pruning methods pass)
-    torch.testing.assert_close(token_coefficients(lengths, "seq_mean", num_seqs=4,
-                                                  weights=[2.0, 1.0]),
+    # rows kept from a larger batch (N 4, 12 tokens) with importance weights: what 2-GRPO and
+    # DPPO pass
+    torch.testing.assert_close(token_coefficients(lengths, "seq_mean", whole=(4, 12, [2.0, 1.0])),
                                torch.tensor([2 / (2 * 4), 1 / (4 * 4)]))
-    torch.testing.assert_close(token_coefficients(lengths, "token_mean", num_tokens=12,
-                                                  weights=[2.0, 1.0]),
+    torch.testing.assert_close(token_coefficients(lengths, "token_mean", whole=(4, 12, [2.0, 1.0])),
                                torch.tensor([2 / 12, 1 / 12]))
+    torch.testing.assert_close(token_coefficients(lengths, "constant", max_len=5,
+                                                  whole=(4, 12, 1.0)),
+                               torch.tensor([1 / 20, 1 / 20]))
     with pytest.raises(ValueError):
         token_coefficients(lengths, "sum")
 
