@@ -38,7 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 from common import (DATASETS, RECIPE, REPO, HFEngine, Passes, Sample, chunked_logprobs, die,
                     load_dataset, load_model, load_tokenizer, policy_update, prompt_token_ids,
                     take_prompts, token_coefficients)
-from docs.rule import estimate, holm, p_below, paired  # the decision rule (docs/results.md#primary)
+from docs.rule import estimate, judge, paired, verdict  # the rule (docs/results.md#primary)
 from grpo import prompt
 
 # the learning part's plots: docs/gpu_check.py imports this file on a GPU machine without
@@ -504,20 +504,14 @@ def breakdown_section(args, dataset, number, results):
 
 
 def primary_claims(tables):
-    """{method: (p of its primary metric's fall, p of its accuracy's non-inferiority, n pairs,
-    passed)}: PRIMARY's claims from the paired runs' `tables`, judged together by holm (a method
-    without MIN_SEEDS pairs: p = 1, never passed). docs/results.md#primary"""
-    found = {}
+    """{method: its claim, docs/rule.py's judge}: PRIMARY's claims from the paired runs' `tables`,
+    judged together. docs/results.md#primary"""
+    pairs = {}
     for m, (metric, accuracy) in PRIMARY.items():
         on = tables.get(f"{m} paired", {})
         off = tables.get(f"{m} ablation", {})
-        fall = paired(on.get(metric, []), off.get(metric, []))
-        kept = paired(on.get(accuracy, []), off.get(accuracy, []))  # method - ablation
-        n = min(len(fall), len(kept))
-        found[m] = (p_below(fall, 0.0), p_below(-kept, MARGIN), n)
-    p = {m: max(p1, p2) if n >= MIN_SEEDS else 1.0 for m, (p1, p2, n) in found.items()}
-    passed = holm(p, ALPHA)
-    return {m: (*found[m], passed[m]) for m in found}
+        pairs[m] = [paired(on.get(name, []), off.get(name, [])) for name in (metric, accuracy)]
+    return judge(pairs, MARGIN, ALPHA, MIN_SEEDS)
 
 
 def spec(metric):
@@ -614,21 +608,20 @@ def learning_section(args, dataset, number, results, figures):
     claims = primary_claims(tables) if offs else {}  # on a task with ablations
     if offs:
         report += ["", fill("learning_primary", min_seeds=MIN_SEEDS)]
-    for m, (p_fall, p_kept, n, passed) in claims.items():
+    for m, claim in claims.items():
         metric, accuracy = PRIMARY[m]
         if m not in offs:  # (with Holm's p = 1)
-            report.append(f"| {m} | {metric}: not run yet | {accuracy}: not run yet | - | - | no "
-                          f"verdict: 0 of {MIN_SEEDS} pairs |")
+            report.append(f"| {m} | {metric}: not run yet | {accuracy}: not run yet | - | - | - "
+                          f"| - | - | {verdict(claim, MIN_SEEDS)} |")
             continue
         on = tables[f"{m} paired"]
         off = tables[f"{m} ablation"]
         ratio = np.nanmean(on[metric]) / np.nanmean(off[metric])  # an estimate
-        word = "holds here" if passed else f"not shown at {n} seeds"
-        if n < MIN_SEEDS:
-            word = f"no verdict: {n} of {MIN_SEEDS} pairs"
+        p = " | ".join(f"{claim[k]:.2g}" for k in ("p1", "p2", "p3"))
         report.append(f"| {m} | {metric}: {estimate(on[metric], off[metric], spec(metric))}; "
                       f"{ratio:.2f}x | {accuracy}: {estimate(on[accuracy], off[accuracy], '.3f')}"
-                      f" | {p_fall:.2g} | {p_kept:.2g} | {word} |")
+                      f" | {p} | {claim['rests']} | {claim['power']:.0%} | "
+                      f"{verdict(claim, MIN_SEEDS)} |")
     ablations = [f"{name} to {t}" for name in ("questions", "training s", "rollouts",
                                                 "generated tokens")]
     ablations += [EQUAL_TIME, "final test accuracy", "best validation accuracy", "steps to peak",

@@ -1,5 +1,7 @@
 """DPPO: Dynamic Pruning Policy Optimization (Zhu et al. 2026, arXiv 2603.04135), reconstructed from
-the abstract alone: docs/dppo.md marks what the paper states and what is ours. Relative to grpo.py:
+the abstract alone: docs/dppo.md marks what the paper states and what is ours. It is not Divergence
+PPO (arXiv 2602.04879, verl's dppo_tv/dppo_kl losses) nor Diffusion Policy Policy Optimization
+(arXiv 2409.00588). Relative to grpo.py:
   * prompts whose last group tied are skipped with probability r_q, their slots refilled;
   * after scoring, completions are pruned with keep probability ~ |A| (an expected fraction r_o);
   * what is kept weighs 1/pi over the unpruned batch's counts: GRPO's expected gradient;

@@ -86,3 +86,68 @@ def test_the_maps_equation_table_names_what_each_file_holds():
                     f"{name} is not in {found.group(1)}")
                 checked += 1
     assert checked > 40
+
+
+# the GPU machine (docs/README.md#gpu): what it has, and what its packages bring with them
+GPU_MACHINE = {"torch", "transformers", "peft", "sentence_transformers", "numpy", "tqdm"}
+BROUGHT = {"sympy": "torch", "huggingface_hub": "transformers", "safetensors": "transformers",
+           "tokenizers": "transformers", "packaging": "transformers", "filelock": "torch"}
+# a wheel's name -> the name it is imported by, where they differ
+IMPORTED_AS = {"math-verify": "math_verify", "antlr4-python3-runtime": "antlr4"}
+# what the GPU check runs: its command, the files that imports at module level, and its tests
+GPU_FILES = ["docs/gpu_check.py", "bench.py", "common.py", "grpo.py", "docs/rule.py",
+             "tests/test_gpu.py", "tests/conftest.py"]
+LOCAL = {"bench", "common", "grpo", "gpu_check", "conftest", "docs", "toy"}
+
+
+def gpu_kit():
+    """{wheel name: version}: the one `pip download` line of docs/README.md#gpu, the GPU check."""
+    text = open(os.path.join(REPO, "docs", "README.md")).read()
+    section = text.split('<a id="gpu"></a>')[1].split("\n## ")[1]  # its heading, then its text
+    lines = re.findall(r"```bash\n(.*?)```", section, re.S)[0].replace("\\\n", " ")
+    download = [line for line in lines.splitlines() if "pip download" in line]
+    assert len(download) == 1, "one line fetches the kit"
+    assert "--no-deps" in download[0] and "--python-version 3.12" in download[0]
+    return dict(re.findall(r"([\w.-]+)==([\w.]+)", download[0]))
+
+
+def test_the_gpu_kit_holds_every_import_the_gpu_check_needs():
+    """Every module-level import of the GPU check and its tests (import statements at the top of
+    each file, not inside a function or an optional `with`/`try`) is the standard library's, the
+    GPU machine's, one its packages bring, the repository's, or in the kit; and every dependency of
+    a kit wheel (on Python 3.12, Linux) is in the kit or on the machine. So `import scipy` at the
+    top of docs/rule.py, or pytest left out of the kit, fails here."""
+    import ast
+    import importlib.metadata
+    import sys
+    from packaging.requirements import Requirement
+    kit = gpu_kit()
+    has = ({IMPORTED_AS.get(name, name.replace("-", "_")) for name in kit} | GPU_MACHINE
+           | set(BROUGHT) | LOCAL | set(sys.stdlib_module_names))
+    assert {"pytest", "math-verify"} <= set(kit)
+    for path in GPU_FILES:
+        tree = ast.parse(open(os.path.join(REPO, path)).read())
+        for node in tree.body:  # the module's own statements: what runs on import
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for name in names:
+                assert name.split(".")[0] in has, f"{path} imports {name}, which the GPU lacks"
+    env = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
+           "platform_system": "Linux", "extra": ""}
+    checked = 0
+    for name, version in kit.items():
+        try:  # the dependencies of the version installed here, where it is the kit's
+            if importlib.metadata.version(name) != version:
+                continue
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            need = Requirement(line)
+            if need.marker and not need.marker.evaluate(env):
+                continue
+            dist = need.name.lower().replace("_", "-")
+            assert (dist in {k.lower().replace("_", "-") for k in kit}
+                    or dist.replace("-", "_") in GPU_MACHINE | set(BROUGHT)), (name, line)
+        checked += 1
+    assert checked >= 1
