@@ -178,7 +178,7 @@ def assert_agrees(trainer, batch, tiny_dir, samples, beta=0.0, mu=1, clip=(0.2, 
 # functions the plug-ins import, so that a plug-in that wires them wrong cannot agree with itself.
 
 def advantages_by_hand(rewards, ddof, eps):
-    """(r - mean) / (std + eps) per group [Q][G], a tied group all 0: docs/grpo.md#eq-advantage."""
+    """(r - mean) / (std + eps) per group [Q][G], a tied group all 0: docs/grpo.md#eq-advantage"""
     out = []
     for group in rewards:
         mean = sum(group) / len(group)
