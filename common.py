@@ -15,7 +15,8 @@ Part II is what makes the step fast, and may be skipped on a first read: 7. pack
 (pack_microbatches, Passes), 8. the packed row's attention (seq_layout, varlen_attention), 9. the
 GPU flash path (flash_attention). Part III is the run: 10. models and optimiser, 11. flags, 12.
 data, 13. evaluation and setup, 14. the run folder (checkpoints, metrics.jsonl, warnings, the phase
-timer). Nothing is used before its part defines it: Part I names nothing of Parts II and III.
+timer), 15. the user's reward() and prompt() called safely (time limits, checked values). Nothing
+is used before its part defines it, but section 15's helpers: Part I calls them, in one line each.
 
 Skip on a first read: how the final answer is found and the alarm around math-verify (section 2).
 """
@@ -31,19 +32,23 @@ import inspect
 import json
 import logging
 import math
+import numbers
 import os
 import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
+import traceback
 
 import huggingface_hub
 import numpy as np
 import torch
 from torch.nn.attention.varlen import varlen_attn  # (torch >= 2.11: see flash_attention)
 from torch.utils.checkpoint import checkpoint
+import tqdm
 import transformers
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers import HfArgumentParser
@@ -199,34 +204,6 @@ UNDONE = re.compile(r"^\D*$|\d[)\]]*(?:\*\*|[-+*×·^−∗⋅∙⋆÷]|\\times|
                     r"|\.\d+/\d|\d/\d*\.\d|[)\]]/|/[(\[]")
 
 
-class VerifyTimeout(BaseException):
-    """The alarm's exception: a BaseException, so sympy's `except Exception` cannot swallow it."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds):
-    """VerifyTimeout after `seconds`, then every 50 ms (Python drops one raised in a __del__).
-    A signal reaches the main thread only: in any other thread the block runs without a limit."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # (signal.signal would raise here, and every answer would score 0)
-        return
-
-    def on_alarm(signum, frame):
-        raise VerifyTimeout()
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)
-    try:
-        yield
-    finally:
-        try:
-            # the alarm may fire between the yield and this line, raising here: so once more below
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-
-
 def last_boxed(text):
     """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced; '\\boxed 5' gives '5'."""
     found = list(re.finditer(r"\\(?:boxed|fbox)\s*(\{)?", text))
@@ -321,27 +298,26 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
 
 
 REWARD_BUDGET_S = 120.0  # a step's scoring time; math-verify's slowest answers take 5 s each
+REWARD_TIMEOUT_S = 10.0  # one reward() call's time (--reward_timeout): math_reward's is 5 s
 # score's tally of outcomes (no answer, timeout, error) while it runs: math_reward adds to it,
 # however deep a script's reward() calls it. A ContextVar, so that each thread tallies on its own
 TALLY = contextvars.ContextVar("tally", default=None)
 
 
-def score(texts, rows, reward, budget=REWARD_BUDGET_S):
+def score(texts, rows, reward, timeout=REWARD_TIMEOUT_S, budget=REWARD_BUDGET_S):
     """reward(text, row) of each completion's text and its dataset row: (list of rewards, Counter
-    of outcomes). Past `budget` seconds the rest are left unread, NaN and counted as "capped": a
-    degenerate policy cannot stall a run, and an unread answer teaches nothing and counts nowhere
-    (group_advantages, batch_metrics)."""
+    of outcomes). An answer whose call runs past `timeout` seconds, or past the `budget` of the
+    whole list, is left unread: NaN, counted as "capped", so that a degenerate policy cannot stall
+    a run; an unread answer teaches nothing and counts nowhere (group_advantages, batch_metrics).
+    A reward() that fails, or returns anything but a finite number, stops the run (call_reward)."""
     counts = collections.Counter()
     rewards = []
     deadline = time.perf_counter() + budget
     token = TALLY.set(counts)  # math_reward's outcomes land in counts
     try:
-        for text, row in zip(texts, rows):
-            if time.perf_counter() >= deadline:
-                counts["capped"] += 1
-                rewards.append(math.nan)
-            else:
-                rewards.append(float(reward(text, row)))
+        for i, (text, row) in enumerate(zip(texts, rows)):
+            seconds = min(timeout, deadline - time.perf_counter())  # this call's, at most
+            rewards.append(call_reward(reward, text, row, i, seconds, counts))
     finally:
         TALLY.reset(token)
     return rewards, counts
@@ -1319,9 +1295,28 @@ def recipe_arg(name, help, **argparse_kw):
 
 
 def die(message):
-    """The one-line error of bad input: to stderr, exit status 2."""
+    """The one-line error of bad input: to stderr, exit status 2; a new run's --out taken back."""
     print(f"error: {message}", file=sys.stderr)
+    undo_new_out()
     raise SystemExit(2)
+
+
+# the --out of a new run, while it holds no checkpoint: "out", "made" (the top folder the run made,
+# or None) and "held" (the names in it before the run)
+NEW_OUT = {}
+
+
+def undo_new_out():
+    """A new run that stops before its first checkpoint takes back what it put in --out (the folder
+    it made, or its files in one that was there), so that the same command can run again."""
+    out = NEW_OUT.pop("out", None)
+    if out and not checkpoints(out):
+        if NEW_OUT["made"]:
+            shutil.rmtree(NEW_OUT["made"], ignore_errors=True)
+        for name in {"config.json", "metrics.jsonl"} - NEW_OUT["held"]:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out, name))
+    NEW_OUT.clear()
 
 
 def parse_args(cls, method, description, recipe=None, argv=None):
@@ -1330,12 +1325,13 @@ def parse_args(cls, method, description, recipe=None, argv=None):
     parser = HfArgumentParser(cls, description=description, allow_abbrev=False,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.error = die  # argparse would print the whole usage block first
+    NEW_OUT.clear()  # (a run before this one in the same process is not this run's to undo)
     if argv is None:
         argv = sys.argv[1:]
     typed = vars(parser.parse_args(argv))  # the flags as typed: None where none was given
     resume = typed["resume"]
     if resume:
-        defaults = resumed_flags(resume, typed["out"])
+        defaults = resumed_flags(resume, typed["out"], method)
     else:  # the recipes fill only the flags left at None
         recipes = {**RECIPE, **DATASETS.get(typed["dataset"], {})}
         defaults = {k: v for k, v in recipes.items() if k in typed and typed[k] is None}
@@ -1354,14 +1350,15 @@ def parse_args(cls, method, description, recipe=None, argv=None):
             flags["token_budget"] = 16384 if cuda else 4096
     name = os.path.basename(flags["dataset"].rstrip("/"))
     flags["out"] = flags["out"] or f"runs/{method}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_flags(flags)
     if not resume:
         check_new_out(flags["out"])
-    check_flags(flags)
     return cls(**flags)
 
 
-def resumed_flags(folder, out):
-    """The flags a run in `folder` was started with (its config.json), to resume it where it ran."""
+def resumed_flags(folder, out, method):
+    """The flags a run in `folder` was started with (its config.json), to resume it where it ran
+    with the method that started it."""
     if not checkpoints(folder):
         if os.path.exists(os.path.join(folder, "metrics.jsonl")):
             die(f"--resume {folder!r}: the run stopped before its first checkpoint (--save_every), "
@@ -1372,27 +1369,41 @@ def resumed_flags(folder, out):
         die(f"--resume {folder!r} continues that run in its own folder: drop --out {out!r}")
     try:
         with open(os.path.join(folder, "config.json")) as f:
-            saved = json.load(f)["args"]
+            config = json.load(f)
+        saved = config["args"]
+        started = config["method"]
     except Exception as e:
         die(f"--resume {folder!r}: its config.json cannot be read ({e!r:.300})")
+    if started != method:  # its flags, its checkpoint's state are that method's
+        die(f"--resume {folder!r} is a {started} run: {started}.py resumes it, not {method}.py")
     return {**saved, "out": folder}
 
 
 def check_new_out(out):
-    """--out must be a folder that can be made and written, not hold a run already."""
+    """--out must be a folder that can be made and written, not hold a run already. It is made
+    here, before anything loads, and a file written in it (os.access would say yes under /proc to
+    root); die() takes it back until the run's first checkpoint."""
     existing = os.path.abspath(out)  # the deepest part of the path that exists
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         die(f"--out {out!r}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK):
-        die(f"--out {out!r}: {existing} is not writable")
     if checkpoints(out):
         die(f"--out {out!r} already holds a run: --resume {out} continues it, or pick another "
             "--out")
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         die(f"--out {out!r} holds a run that stopped before its first checkpoint: delete it, or "
             "pick another --out")
+    path = os.path.abspath(out)
+    made = None  # the top folder made: the path's first part below `existing`
+    if path != existing:
+        made = os.path.join(existing, os.path.relpath(path, existing).split(os.sep)[0])
+    try:
+        NEW_OUT.update(out=out, made=made, held=set(os.listdir(out)) if made is None else set())
+        os.makedirs(out, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        die(f"--out {out!r} cannot be written ({e.strerror or e})")
 
 
 def check_flags(f):
@@ -1404,10 +1415,11 @@ def check_flags(f):
         ("in [1, 2^20]", lambda v: 1 <= v <= 2 ** 20, "prompts_per_step group_size max_tokens "
                                                       "max_prompt_len mu eval_n save_every "
                                                       "token_budget logprob_chunk"),
+        ("in [0, 2^20]", lambda v: 0 <= v <= 2 ** 20, "eval_every warmup_steps"),
         ("in [0, 2^16]", lambda v: 0 <= v <= 2 ** 16, "lora_r"),
         ("> 0", lambda v: v > 0, "lr temperature lora_alpha"),
-        (">= 0", lambda v: v >= 0, "eps_high beta eval_every grad_clip weight_decay adv_eps "
-                                   "warmup_steps time_budget"),
+        (">= 0", lambda v: v >= 0, "eps_high beta grad_clip weight_decay adv_eps time_budget"),
+        ("in (0, 3600]", lambda v: 0 < v <= 3600, "reward_timeout"),  # seconds a call
         ("in [0, 1)", lambda v: 0 <= v < 1, "eps_low"),
         ("in (0, 1]", lambda v: 0 < v <= 1, "vllm_gpu_memory"),
         ("0 (off) or at least 1", lambda v: v == 0 or v >= 1, "tis_cap"),
@@ -1470,7 +1482,8 @@ def gold_answer(row):
     """A row's reference answer: `answer` (after '####' for GSM8K), else `solution`'s last
     \\boxed{}."""
     a = row.get("answer")
-    if isinstance(a, (int, float)):  # AMC stores 27.0: math-verify compares the values
+    # AMC stores 27.0: math-verify compares the values. Not a bool (an int to Python), NaN or inf
+    if isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a):
         a = str(a)
     if isinstance(a, str) and a.strip():
         if "####" in a:  # GSM8K: the worked solution, then '#### 1,018'
@@ -1492,7 +1505,7 @@ def to_rows(records, where):
             gold = gold_answer(r)
         if not isinstance(q, str) or not q.strip() or not gold:
             raise ValueError(f"{where}: row {i} needs a 'question' (or 'problem') and an 'answer' "
-                             "(or 'solution')")
+                             "(a string or a finite number; or a 'solution' with a \\boxed{})")
         rows.append({**r, "question": q, "gold": gold})
     if not rows:
         raise ValueError(f"{where}: no rows")
@@ -1540,6 +1553,9 @@ def load_dataset(spec, eval_n):
     train = found["train"]
     val = found.get("val")
     test = found.get("test")
+    if test is None and len(train) < 2:  # else the held-out row would leave none to train on
+        raise ValueError(f"--dataset {spec!r}: 1 row, too few to hold one out for testing: give "
+                         "at least 2, or a folder with a train.jsonl and a test.jsonl")
     if test is None:  # a fifth of the training rows, at most eval_n
         test, train = split_off(train, max(1, min(eval_n, len(train) // 5)))
     if "val" in entry:  # validation carved from train; the test split stays whole
@@ -1571,8 +1587,8 @@ def prompt_token_ids(tokenizer, rows, prompt, template, max_prompt_len):
     tokenizer's chat template. Rows whose prompt is longer than max_prompt_len are dropped (as
     verl)."""
     out = []
-    for r in rows:
-        messages = prompt(r, template)
+    for i, r in enumerate(rows):
+        messages = call_prompt(prompt, r, template, i)  # one line if it fails
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) <= max_prompt_len:
@@ -1596,13 +1612,18 @@ def take_prompts(n_rows, cursor, k, seed):
 
 def evaluate(run, rows, progress=False):
     """The mean of the run's reward over greedy completions (n = 1, temperature 0) of held-out
-    rows: an accuracy with the scripts' default reward."""
+    rows: an accuracy with the scripts' default reward. An answer whose reward() call runs past
+    --reward_timeout scores 0, and a line says how many did."""
     prompts = [r["prompt_ids"] for r in rows]
     outputs = run.engine.generate(prompts, 1, 0.0, run.args.max_tokens, run.args.seed, progress)
     texts = run.tokenizer.batch_decode([o[0][0] for o in outputs], skip_special_tokens=True)
-    # no time budget: every held-out answer is read, however long math-verify takes on it
-    rewards, _ = score(texts, rows, run.reward, budget=math.inf)
-    return sum(rewards) / max(1, len(rows))
+    # no budget for the whole: every held-out answer is read, each within --reward_timeout
+    timeout = run.args.reward_timeout
+    rewards, counts = score(texts, rows, run.reward, timeout, budget=math.inf)
+    if counts["capped"]:  # (tqdm's write: above the training bar)
+        tqdm.tqdm.write(f"warning: {counts['capped']} of {len(rows)} held-out answers took "
+                        f"reward() over --reward_timeout {timeout:g} s: each scored 0")
+    return float(np.nansum(rewards)) / max(1, len(rows))  # (NaN: capped)
 
 
 @dataclasses.dataclass
@@ -1915,9 +1936,10 @@ def warn_flat_reward(run, row, bar):
                   "answers reach the reward: the template's answer format, the stop tokens, "
                   "--max_tokens")
     if row["reward_capped"]:  # each time: it is rare, and each is a step's scores cut short
-        bar.write(f"warning: scoring took over {REWARD_BUDGET_S:.0f} s: "
-                  f"{row['reward_capped']} answers were left unread and out of the step "
-                  "(reward_capped); math-verify takes 5 s on some degenerate inputs")
+        bar.write(f"warning: {row['reward_capped']} answers were left unread and out of the "
+                  f"step (reward_capped): scoring them would have taken over {REWARD_BUDGET_S:.0f}"
+                  f" s, or reward() over --reward_timeout {run.args.reward_timeout:g} s on one; "
+                  "math-verify takes 5 s on some degenerate inputs")
 
 
 def finish_step(run, bar, row, cursor, extra_state=None):
@@ -1970,3 +1992,101 @@ class PhaseTimer:
 
     def seconds(self):
         return {**self.totals, "step_s": time.perf_counter() - self.start}
+
+
+# 15. The user's functions, called safely: a script's reward() and prompt() (its YOUR TASK block)
+#     run under a time limit and must return what the run can use; anything else stops the run
+#     with one line naming the function, the line in it, and the row
+
+
+class VerifyTimeout(BaseException):
+    """math_reward's alarm: a BaseException, so sympy's `except Exception` cannot swallow it."""
+
+
+class RewardTimeout(BaseException):
+    """The alarm of one reward() call (--reward_timeout): not a VerifyTimeout, so that a
+    math_reward inside the call does not take it for its own."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds, error=VerifyTimeout):
+    """`error` after `seconds`, then every 50 ms (Python drops one raised in a __del__), or at the
+    block's end if it ran past them (its code swallowed each). Blocks nest: an inner one keeps an
+    outer one's alarm, raised first when both are due, and sets its timer again when it ends. A
+    signal reaches the main thread only: in any other thread the block runs without a limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (signal.signal would raise here, and every answer would score 0)
+        return
+    deadline = time.monotonic() + seconds
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]  # an outer block's time to its alarm (0: none)
+    outer_alarm = time.monotonic() + outer
+    previous = signal.getsignal(signal.SIGALRM)
+
+    def on_alarm(signum, frame):
+        if outer and callable(previous):  # an outer block's alarm: its error first, its block over
+            previous(signum, frame)
+        if time.monotonic() >= deadline:
+            raise error()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer or seconds), 0.05)
+    try:
+        yield
+    finally:
+        try:
+            # the alarm may fire between the yield and this line, raising here: so once more below
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            if outer:
+                signal.setitimer(signal.ITIMER_REAL, max(outer_alarm - time.monotonic(), 1e-6),
+                                 0.05)
+    if time.monotonic() >= deadline:
+        raise error()
+
+
+def call_reward(reward, text, row, index, seconds, counts):
+    """reward(text, row) as a float within `seconds`: past them (or with none left) NaN, counted as
+    "capped". Anything but a finite real number (an exception, None, NaN, inf, a string, a bool, a
+    tensor of more than one element) stops the run with one line."""
+    try:
+        if seconds <= 0:  # (checked here too: no alarm stops a call in another thread)
+            raise RewardTimeout()
+        with time_limit(seconds, RewardTimeout):
+            value = reward(text, row)
+    except RewardTimeout:
+        counts["capped"] += 1
+        return math.nan
+    except Exception as e:
+        user_error("reward", reward, index, row, f"raised {e!r}", e.__traceback__)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()  # a bool tensor's is a bool: refused below
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        user_error("reward", reward, index, row, f"returned {value!r:.80}, not a finite number")
+    return float(value)
+
+
+def call_prompt(prompt, row, template, index):
+    """prompt(row, template): chat messages, a non-empty list of {"role", "content"}; anything
+    else, or an exception, stops the run with one line."""
+    try:
+        messages = prompt(row, template)
+    except Exception as e:
+        user_error("prompt", prompt, index, row, f"raised {e!r}", e.__traceback__)
+    ok = isinstance(messages, list) and len(messages) > 0
+    if not ok or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages):
+        user_error("prompt", prompt, index, row,
+                   f"returned {messages!r:.80}, not a list of {{'role', 'content'}} messages")
+    return messages
+
+
+def user_error(name, fn, index, row, what, tb=None):
+    """die() naming the user's function, its line an exception's traceback `tb` left from (else its
+    first line), what went wrong, and the row (the first 80 characters of its columns)."""
+    code = fn.__code__
+    lines = [f.lineno for f in traceback.extract_tb(tb) if f.filename == code.co_filename]
+    line = (lines or [code.co_firstlineno])[-1]
+    columns = str({k: v for k, v in row.items() if k != "prompt_ids"})  # (prompt_ids: ours)
+    die(" ".join(f"{name}() {what:.300} ({os.path.basename(code.co_filename)}:{line}), on row "
+                 f"{index}: {columns:.80}".split()))

@@ -121,6 +121,8 @@ class Args:
                          choices=["none", "wandb", "trackio"])
     time_budget: float = arg(0.0, "end the run once its summed step times reach this many "
                                   "seconds (0: off)")
+    reward_timeout: float = arg(10.0, "seconds one reward() call may take: a slower answer is "
+                                      "left unread (reward_capped), or scores 0 in evaluation")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
                                          "packing needs it to honour position ids)")
 
@@ -214,13 +216,15 @@ def window_pack(lengths, budget, window):
 
 def main():
     args = parse_args(Args, METHOD, __doc__)  # recipe defaults filled in, every flag checked
+    # every pi > 0; a step examines at most lookahead B + 1/keep_floor prompts
     if not (0 <= args.prune_prompts < 1 and 0 <= args.prune_completions < 1
-            and 0 < args.keep_floor <= 1):
+            and 2 ** -10 <= args.keep_floor <= 1):
         die("--prune_prompts and --prune_completions must be in [0, 1), "
-            "--keep_floor in (0, 1] (got "
-            f"{args.prune_prompts}, {args.prune_completions}, {args.keep_floor})")  # every pi > 0
-    if not (args.window >= 1 and args.lookahead >= 1):
-        die(f"--window and --lookahead must be at least 1 (got {args.window}, {args.lookahead})")
+            "--keep_floor in [2^-10, 1] (got "
+            f"{args.prune_prompts}, {args.prune_completions}, {args.keep_floor})")
+    if not (1 <= args.window <= 2 ** 20 and 1 <= args.lookahead <= 2 ** 10):
+        die(f"--window must be in [1, 2^20], --lookahead in [1, 2^10] (got {args.window}, "
+            f"{args.lookahead})")
     run = setup(args, METHOD, reward, prompt, METRIC,
                 config={"ideal_trained_fraction": 1 - args.prune_completions})
     model = run.model
@@ -265,7 +269,8 @@ def main():
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
             rows = [row for row in batch for _ in range(G)]  # each completion's dataset row
-            rewards, reward_counts = score(texts, rows, reward)  # NaN: left unread
+            # NaN: left unread (a call past --reward_timeout, or the step's budget spent)
+            rewards, reward_counts = score(texts, rows, reward, args.reward_timeout)
             rewards = torch.tensor(rewards).view(-1, G)  # [B', G]
             advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [B', G]
             samples = []  # every completion, with what the trainer needs of it

@@ -118,6 +118,8 @@ class Args:
                          choices=["none", "wandb", "trackio"])
     time_budget: float = arg(0.0, "end the run once its summed step times reach this many "
                                   "seconds (0: off)")
+    reward_timeout: float = arg(10.0, "seconds one reward() call may take: a slower answer is "
+                                      "left unread (reward_capped), or scores 0 in evaluation")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
                                          "packing needs it to honour position ids)")
 
@@ -154,7 +156,8 @@ def main():
             texts = run.tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
             rows = [row for row in batch for _ in range(G)]  # each completion's dataset row
-            rewards, reward_counts = score(texts, rows, reward)  # NaN: left unread
+            # NaN: left unread (a call past --reward_timeout, or the step's budget spent)
+            rewards, reward_counts = score(texts, rows, reward, args.reward_timeout)
             rewards = torch.tensor(rewards).view(B, G)  # [B, G]
             advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [B, G]
             samples = []  # every completion, with what the trainer needs of it

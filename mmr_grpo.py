@@ -117,6 +117,8 @@ class Args:
                          choices=["none", "wandb", "trackio"])
     time_budget: float = arg(0.0, "end the run once its summed step times reach this many "
                                   "seconds (0: off)")
+    reward_timeout: float = arg(10.0, "seconds one reward() call may take: a slower answer is "
+                                      "left unread (reward_capped), or scores 0 in evaluation")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
                                          "packing needs it to honour position ids)")
     # MMR reweighting: docs/mmr_grpo.md
@@ -246,7 +248,8 @@ def main():
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
             rows = [row for row in batch for _ in range(G)]  # each completion's dataset row
-            rewards, reward_counts = score(texts, rows, reward)  # NaN: left unread
+            # NaN: left unread (a call past --reward_timeout, or the step's budget spent)
+            rewards, reward_counts = score(texts, rows, reward, args.reward_timeout)
             rewards = torch.tensor(rewards).view(B, G)  # [B, G]
         with timer("mmr"):  # [B, G], [B], [B, G, G]
             mmr, lam, sim = mmr_reweight(rewards, embed(encoder, texts), args.sim_floor)

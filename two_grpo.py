@@ -124,6 +124,8 @@ class Args:
                          choices=["none", "wandb", "trackio"])
     time_budget: float = arg(0.0, "end the run once its summed step times reach this many "
                                   "seconds (0: off)")
+    reward_timeout: float = arg(10.0, "seconds one reward() call may take: a slower answer is "
+                                      "left unread (reward_capped), or scores 0 in evaluation")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
                                          "packing needs it to honour position ids)")
 
@@ -170,8 +172,10 @@ def pair_recipe(flags):
 
 def main():
     args = parse_args(Args, METHOD, __doc__, recipe=pair_recipe)  # a resumed run keeps its B, lr
-    if args.resample and args.resample_cap < 1:
-        die(f"--resample_cap must be at least 1 (got {args.resample_cap})")
+    if args.group_size != 2:  # G = 2 is the method: grpo.py samples larger groups
+        die(f"--group_size must be 2 in 2-GRPO (got {args.group_size}): grpo.py takes other sizes")
+    if not 1 <= args.resample_cap <= 2 ** 10:
+        die(f"--resample_cap must be in [1, 2^10] (got {args.resample_cap})")
     rounds = args.resample_cap if args.resample else 1  # prompts drawn: at most B x rounds
     # every check first; models, engine, optimiser; evaluation at step 0
     run = setup(args, METHOD, reward, prompt, METRIC)
@@ -215,7 +219,8 @@ def main():
                 texts = tokenizer.batch_decode([ids for group in out for ids, _ in group],
                                                skip_special_tokens=True)
                 rows = [row for row in new for _ in range(G)]  # each completion's dataset row
-                scores, counts = score(texts, rows, reward)  # NaN: left unread
+                # NaN: left unread (a call past --reward_timeout, or the step's budget spent)
+                scores, counts = score(texts, rows, reward, args.reward_timeout)
                 reward_counts.update(counts)
             batch += new
             outputs += out  # one list of G (token ids, log-probs) per prompt

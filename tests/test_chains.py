@@ -227,8 +227,8 @@ def test_recipe_and_missing_files(tmp_path, monkeypatch, capsys):
 
     def refused(*flags):
         with pytest.raises(SystemExit) as e:
-            args = parse_args(Args, "grpo", "",
-                              argv=["--dataset", "chains", "--rollout", "hf", *flags, *out])
+            args = parse_args(Args, "grpo", "", argv=["--dataset", "chains", "--rollout", "hf",
+                                                       *flags, "--out", str(tmp_path / "r")])
             setup(args, "grpo", grpo.reward, grpo.prompt)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
@@ -246,4 +246,4 @@ def test_recipe_and_missing_files(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(DATASETS, "chains", {**recipe, "path": str(half / "data"),
                                              "model": str(half / "model")})
     assert "model.safetensors" in refused()
-    assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "r").exists()  # (parse_args makes --out: "o" was, above)

@@ -43,6 +43,10 @@ def one_line(result):
 def bad_jsonl(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"question": "q", "answer": "1"}\n{oops\n')
     (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "one.jsonl").write_text('{"question": "q", "answer": "1"}\n')
+    (tmp_path / "nan.jsonl").write_text('{"question": "q", "answer": "1"}\n'
+                                        '{"question": "q", "answer": NaN}\n')
+    (tmp_path / "true.jsonl").write_text('{"question": "q", "answer": true}\n' * 3)
     (tmp_path / "no_train").mkdir()  # a folder with a test split only
     (tmp_path / "no_train" / "test.jsonl").write_text('{"question": "q", "answer": "1"}\n')
     return tmp_path
@@ -76,7 +80,17 @@ def bad_jsonl(tmp_path):
     (["--steps", "2000000"], "--steps must be in [0, 2^20) (got 2000000)"),
     (["--weight_decay=-0.1"], "--weight_decay must be >= 0"),
     (["--adv_eps=-1e-4"], "--adv_eps must be >= 0"),
-    (["--warmup_steps=-5"], "--warmup_steps must be >= 0"),
+    (["--warmup_steps=-5"], "--warmup_steps must be in [0, 2^20]"),
+    (["--warmup_steps", "2000000"], "--warmup_steps must be in [0, 2^20] (got 2000000)"),
+    (["--eval_every", "2000000"], "--eval_every must be in [0, 2^20] (got 2000000)"),
+    (["--reward_timeout", "0"], "--reward_timeout must be in (0, 3600] (got 0.0)"),
+    (["--reward_timeout", "1e9"], "--reward_timeout must be in (0, 3600]"),
+    (["--dataset", "{tmp}/one.jsonl"], "--dataset '{tmp}/one.jsonl': 1 row, too few to hold one "
+                                       "out for testing"),
+    (["--dataset", "{tmp}/nan.jsonl"], "nan.jsonl: row 2 needs a 'question' (or 'problem') and "
+                                       "an 'answer' (a string or a finite number"),
+    (["--dataset", "{tmp}/true.jsonl"], "true.jsonl: row 1 needs a 'question'"),
+    (["--out", "/proc/no_run_here"], "--out '/proc/no_run_here' cannot be written"),
     (["--eps_low", "1"], "--eps_low must be in [0, 1)"),
     (["--tis_cap", "0.5"], "--tis_cap must be 0 (off) or at least 1"),
     (["--vllm_gpu_memory", "1.5"], "--vllm_gpu_memory must be in (0, 1]"),
@@ -349,3 +363,74 @@ def test_resume_into_another_out_is_refused(one_step_run, tmp_path, main_of):
     # the same folder named twice is no conflict (the finished run: nothing to do)
     same = main_of("grpo", ["--resume", str(run_x), "--out", str(run_x) + "/"])
     assert same.returncode == 0 and "nothing to do" in same.stdout, same
+
+
+def no_number(completion, row):
+    return None if row["gold"] else 1.0  # every row has a gold: None, always
+
+
+def test_a_reward_that_returns_no_number_stops_at_step_0_and_the_command_runs_again(
+        tmp_path, main_of, monkeypatch):
+    """A reward() that returns no finite number stops the run at the step-0 evaluation, before
+    any training: one line, exit 2, and --out as it was (the folder the run made removed, a folder
+    that was there keeps its own files), so that the same command runs once reward() is fixed."""
+    import grpo
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    made = tmp_path / "new" / "run"
+    command = SMALL + ["--rollout", "hf", "--steps", "1", "--eval_every", "0", "--eval_n", "4"]
+    monkeypatch.setattr(grpo, "reward", no_number)
+    for out in (made, mine):
+        result = main_of("grpo", command + ["--out", str(out)])
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+        where = f"test_cli.py:{no_number.__code__.co_firstlineno}"
+        assert errors[0].startswith(f"error: reward() returned None, not a finite number ({where})"
+                                    ", on row 0: {"), errors
+        assert "step 0: eval accuracy" not in result.stdout and "done:" not in result.stdout
+    assert not (tmp_path / "new").exists() and os.listdir(mine) == ["notes.txt"]
+    monkeypatch.undo()  # reward() fixed: the same command
+    result = main_of("grpo", command + ["--out", str(made)])
+    assert result.returncode == 0 and [r["step"] for r in rows(made)] == [0, 1], result.stderr
+
+
+def test_a_slow_reward_is_capped_in_evaluation_and_training(tmp_path, main_of, monkeypatch):
+    """A reward() call past --reward_timeout is stopped: in evaluation it scores 0 and a line says
+    how many; in training it is left unread (reward_capped) and a line says so. The run goes on."""
+    import time
+
+    import grpo
+    calls = []
+
+    def slow_every_fourth(completion, row):
+        calls.append(1)
+        if len(calls) % 4 == 0:
+            time.sleep(60)
+        return 1.0
+    monkeypatch.setattr(grpo, "reward", slow_every_fourth)
+    out = tmp_path / "run"
+    result = main_of("grpo", SMALL + ["--rollout", "hf", "--steps", "1", "--eval_every", "0",
+                                      "--eval_n", "8", "--reward_timeout", "0.1",
+                                      "--out", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = result.stdout + result.stderr
+    assert "warning: 2 of 8 held-out answers took reward() over --reward_timeout 0.1 s" in said
+    logged = rows(out)
+    assert logged[0]["eval_accuracy"] == 6 / 8 and logged[1]["reward_capped"] == 8  # 32 / 4
+    assert logged[1]["reward_mean"] == 1.0 and logged[1]["trained_rollouts"] == 32 - 8
+    assert "warning: 8 answers were left unread" in said
+    assert logged[1]["step_s"] < 10  # eight calls of 60 s, each stopped at 0.1 s
+
+
+@pytest.mark.parametrize("method", ["cppo", "two_grpo", "mmr_grpo", "dppo"])
+def test_resume_refuses_another_methods_run(one_step_run, tmp_path, main_of, method):
+    """A grpo.py run resumed by another script: one line naming both methods, exit 2, the run's
+    files as they were (its config.json keeps its method)."""
+    out = tmp_path / "run"
+    shutil.copytree(one_step_run, out)
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    line = one_line(main_of(method, ["--resume", str(out)]))
+    assert line == (f"error: --resume {str(out)!r} is a grpo run: grpo.py resumes it, not "
+                    f"{method}.py")
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before

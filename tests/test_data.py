@@ -62,7 +62,15 @@ def test_gsm8k_style_rows(tmp_path):
     (['{"question": "a", "answer": "1"}', '{"question": "b"}'], "row 2 needs a 'question'"),
     (['{"text": "a"}'], "row 1 needs"),
     (['["a", "b"]'], "row 1 needs"),
+    # a gold is a string or a finite number: not NaN, inf, a bool (an int to Python), a list
+    (['{"question": "a", "answer": NaN}'], "row 1 needs .* an 'answer' .a string or a finite"),
+    (['{"question": "a", "answer": "1"}', '{"question": "a", "answer": -Infinity}'], "row 2"),
+    (['{"question": "a", "answer": true}'], "row 1 needs"),
+    (['{"question": "a", "answer": ["1"]}'], "row 1 needs"),
     ([""], "no rows"),
+    # one row: none left to train on once one is held out
+    (['{"question": "a", "answer": "1"}'], "bad.jsonl': 1 row, too few to hold one out for "
+                                           "testing: give at least 2"),
 ])
 def test_malformed_files_name_the_problem(tmp_path, lines, message):
     with pytest.raises(ValueError, match=message):

@@ -305,10 +305,14 @@ def run(args, timeout=600):
     (["--prune_prompts", "-0.1"], "--prune_prompts and --prune_completions must be in [0, 1)"),
     (["--prune_completions", "1.0"], "--prune_prompts and --prune_completions must be in [0, 1)"),
     (["--prune_completions", "nan"], "--prune_completions must be a finite number (got nan)"),
-    (["--keep_floor", "0"], "--keep_floor in (0, 1]"),
-    (["--keep_floor", "1.5"], "--keep_floor in (0, 1]"),
-    (["--window", "0"], "--window and --lookahead must be at least 1 (got 0, 2.0)"),
-    (["--lookahead", "0.5"], "--window and --lookahead must be at least 1 (got 64, 0.5)"),
+    (["--keep_floor", "0"], "--keep_floor in [2^-10, 1]"),
+    (["--keep_floor", "1e-300"], "--keep_floor in [2^-10, 1]"),  # 1e300 prompts to examine
+    (["--keep_floor", "1.5"], "--keep_floor in [2^-10, 1]"),
+    (["--window", "0"], "--window must be in [1, 2^20], --lookahead in [1, 2^10] (got 0, 2.0)"),
+    (["--window", "2000000"], "--window must be in [1, 2^20], --lookahead in [1, 2^10]"),
+    (["--lookahead", "0.5"], "--window must be in [1, 2^20], --lookahead in [1, 2^10] (got 64, "
+                             "0.5)"),
+    (["--lookahead", "1e12"], "--lookahead in [1, 2^10] (got 64, 1000000000000.0)"),  # it hung
     (["--window", "2.5"], "argument --window: invalid int value"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, args,

@@ -1,8 +1,15 @@
 """common.py's run files: the phase timer, flag parsing (recipe defaults, a script's recipe, bool
 spellings, the resume merge) and the per-batch metrics."""
 import json
+import math
+import os
+import shutil
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,7 +103,7 @@ def test_parse_args_fills_the_recipe_of_the_toy_and_of_a_local_folder(tmp_path):
     assert (args.lr, args.max_tokens, args.steps) == (0.5, 7, 40)
 
 
-def test_parse_args_resolves_the_defaults_decided_later(tmp_path):
+def test_parse_args_resolves_the_defaults_decided_later(tmp_path, monkeypatch):
     args = parse_args(Flags, "m", "", argv=["--out", str(tmp_path / "o")])
     cuda = torch.cuda.is_available()
     assert args.grad_ckpt is cuda and args.token_budget == (16384 if cuda else 4096)
@@ -104,8 +111,10 @@ def test_parse_args_resolves_the_defaults_decided_later(tmp_path):
                       argv=["--attn", "sdpa", "--out", str(tmp_path / "o")]).token_budget == 512
     assert parse_args(Flags, "m", "",
                       argv=["--grad_ckpt", "true", "--out", str(tmp_path / "o")]).grad_ckpt is True
+    monkeypatch.chdir(tmp_path)  # the default --out is made in the working folder
     args = parse_args(Flags, "m", "", argv=["--dataset", str(tmp_path / "mine") + "/"])
     assert args.out.startswith("runs/m-mine-")  # runs/<method>-<dataset>-<time>
+    assert os.path.isdir(tmp_path / args.out)  # made before anything loads
 
 
 @dataclass
@@ -165,7 +174,7 @@ def test_resume_takes_the_saved_flags_and_a_flag_given_again_wins(tmp_path):
     (run / "checkpoint-3" / "state.pt").write_bytes(b"")  # parse_args only looks for it
     saved = {"seed": 7, "lr": 1e-3, "steps": 9, "out": "elsewhere", "floor": False,
              "prompts_per_step": 5, "token_budget": 777, "grad_ckpt": True, "not_a_flag_here": 1}
-    (run / "config.json").write_text(json.dumps({"args": saved}))
+    (run / "config.json").write_text(json.dumps({"args": saved, "method": "m"}))
     args = parse_args(Flags, "m", "", argv=["--resume", str(run), "--steps", "12"])
     assert (args.seed, args.lr, args.steps, args.out, args.resume) == (
         7, 1e-3, 12, str(run), str(run))
@@ -199,3 +208,187 @@ def test_batch_metrics_by_hand():
     assert m["truncated"] == 2 / 4
     outcomes = (m["verify_timeouts"], m["verify_errors"], m["no_answer"], m["reward_capped"])
     assert outcomes == (1, 0, 2, 3)
+
+
+# ---------------------------------------------------------------- reward() and prompt(), safely
+
+ROW = {"question": "What is 12 + 35?" + " and more" * 20, "answer": "47", "gold": "47",
+       "prompt_ids": [5, 6, 7]}
+
+
+def refused_reward(capsys, returns):
+    """The one stderr line of score() over a reward() that `returns` (a callable: it is called)."""
+    def reward(text, row):
+        return returns()
+    with pytest.raises(SystemExit) as stop:
+        common.score(["right", "wrong"], [ROW, ROW], reward)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    return err[0], reward.__code__.co_firstlineno
+
+
+@pytest.mark.parametrize("returns,shown", [
+    (lambda: None, "None"), (lambda: math.nan, "nan"), (lambda: math.inf, "inf"),
+    (lambda: "1", "'1'"), (lambda: True, "True"), (lambda: torch.tensor([1.0, 0.0]),
+                                                   "tensor([1., 0.])"),
+    (lambda: torch.tensor(True), "True"), (lambda: np.array([0.5]), "array([0.5])"),
+])
+def test_a_reward_that_returns_no_finite_number_is_one_line(capsys, returns, shown):
+    """Not a finite real number: one line naming reward(), what it returned, its def line and the
+    row (its index, its first 80 characters, not our prompt_ids); NaN is no longer 'unread'."""
+    line, first = refused_reward(capsys, returns)
+    assert line.startswith(f"error: reward() returned {shown}, not a finite number "
+                           f"(test_run_files.py:{first}), on row 0: "), line
+    columns = str({k: v for k, v in ROW.items() if k != "prompt_ids"})
+    assert line.endswith(f"on row 0: {columns[:80].strip()}"), line
+
+
+def test_a_reward_that_raises_is_one_line_naming_its_line(capsys):
+    """An exception: one line naming it and the user's line it left from, here through a library
+    (json's own frames are not the user's)."""
+    def reward(text, row):
+        return json.loads(row["question"])
+    with pytest.raises(SystemExit) as stop:
+        common.score(["a"], [ROW], reward)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: reward() raised JSONDecodeError('Expecting value: line 1 "
+                             "column 1 (char 0)') (test_run_files.py:"
+                             f"{reward.__code__.co_firstlineno + 1}), on row 0: "), err
+
+
+@pytest.mark.parametrize("value", [1, 0.5, np.float32(0.25), np.int64(2), torch.tensor(0.5),
+                                   torch.tensor([0.75], dtype=torch.float64)])
+def test_a_reward_may_return_any_finite_real_number(value):
+    rewards, counts = common.score(["a"], [ROW], lambda text, row: value)
+    assert rewards == [float(value)] and isinstance(rewards[0], float) and not counts
+
+
+def test_a_slow_reward_call_is_capped_and_the_steps_budget_holds():
+    """A call past its limit is stopped and counted as capped (NaN); the step's budget caps each
+    call at what is left of it, so one slow call cannot stall the step; past it, no call runs."""
+    calls = []
+
+    def slow(text, row):
+        calls.append(text)
+        time.sleep(30 if text == "slow" else 0)
+        return 1.0
+    t0 = time.monotonic()
+    rewards, counts = common.score(["slow", "fast"], [ROW, ROW], slow, timeout=0.2)
+    assert math.isnan(rewards[0]) and rewards[1] == 1.0 and counts["capped"] == 1
+    assert time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    rewards, counts = common.score(["slow"] * 3, [ROW] * 3, slow, timeout=10.0, budget=0.3)
+    assert all(math.isnan(r) for r in rewards) and counts["capped"] == 3
+    assert time.monotonic() - t0 < 1.0 and calls[2:] == ["slow"]  # the other two: never called
+    # a call that swallows each alarm and returns late is capped all the same
+    rewards, counts = common.score(["a"], [ROW], lambda text, row: swallowing(0.3, BaseException)
+                                   or 1.0, timeout=0.1)
+    assert math.isnan(rewards[0]) and counts["capped"] == 1
+
+
+def test_in_another_thread_a_call_runs_unstopped_but_the_budget_holds():
+    """No signal reaches another thread: there a call runs to its end, and the step's budget is
+    checked between calls (score's tally is per thread)."""
+    def slow(text, row):
+        time.sleep(0.2)
+        return 1.0
+    out = []
+    worker = threading.Thread(target=lambda: out.append(common.score(["a"] * 5, [ROW] * 5, slow,
+                                                                     timeout=0.1, budget=0.3)))
+    worker.start()
+    worker.join()
+    rewards, counts = out[0]
+    assert rewards[:2] == [1.0, 1.0] and all(math.isnan(r) for r in rewards[2:])
+    assert counts["capped"] == 3
+
+
+def busy(seconds):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        pass
+
+
+def swallowing(seconds, error=common.VerifyTimeout):
+    """Busy for `seconds`, swallowing every `error` (as code that catches BaseException)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        try:
+            busy(seconds)
+        except error:
+            pass
+
+
+def test_time_limits_nest():
+    """An inner time_limit (math_reward's, inside a reward() under --reward_timeout) neither
+    cancels the outer one when it ends, nor swallows it when it expires inside: the outer's error
+    is raised through the inner's own handler, after an inner that caught its own, and through an
+    inner whose code swallows every one of its own."""
+    for inner in ("ends early", "expires outside", "caught", "swallowed"):
+        t0 = time.monotonic()
+        with pytest.raises(common.RewardTimeout):
+            with common.time_limit(0.3, common.RewardTimeout):
+                try:
+                    with common.time_limit(5.0 if inner == "expires outside" else 0.1):
+                        if inner == "swallowed":
+                            swallowing(3)
+                        busy(0 if inner == "ends early" else 3)
+                except common.VerifyTimeout:  # as math_reward catches its own
+                    assert inner == "caught"
+                busy(3)
+        assert time.monotonic() - t0 < 1.0, inner
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # and no timer left running
+    with common.time_limit(0.05):  # a block that ends in time raises nothing
+        pass
+
+
+def test_a_prompt_that_fails_is_one_line(capsys):
+    """prompt() that raises, or returns no list of {"role", "content"}: one line, exit 2."""
+    def prompt(row, template):
+        return row["missing"] if template == "raise" else template
+    first = prompt.__code__.co_firstlineno
+    for template, what in [("raise", f"raised KeyError('missing') (test_run_files.py:{first + 1})"),
+                           ("a string", "returned 'a string', not a list of {'role', 'content'} "
+                                        f"messages (test_run_files.py:{first})"),
+                           ([], "returned [], not a list of")]:
+        with pytest.raises(SystemExit) as stop:
+            common.prompt_token_ids(None, [ROW], prompt, template, 100)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"error: prompt() {what}"), err
+        assert ", on row 0: {'question': 'What is 12 + 35?" in err[0], err
+
+
+def test_out_is_made_before_loading_and_taken_back_by_a_refusal(tmp_path, monkeypatch, capsys):
+    """--out is made and a file written in it at parse time (os.access says yes to root under
+    /proc); a run stopped by a check before its first checkpoint takes back the folder it made,
+    or its own files in a folder that was there (whose other files stay)."""
+    out = tmp_path / "a" / "b"
+    args = parse_args(Flags, "m", "", argv=["--out", str(out)])
+    assert os.path.isdir(out) and os.listdir(out) == [] and args.out == str(out)
+    (out / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit):
+        common.die("a check after the folder was made")
+    assert not (tmp_path / "a").exists()  # every folder the run made
+    parse_args(Flags, "m", "", argv=["--out", str(out)])
+    with pytest.raises(SystemExit):  # a later run in this process (a resume) has its own --out
+        parse_args(Flags, "m", "", argv=["--resume", str(tmp_path / "no_run")])
+    assert os.path.isdir(out)
+    shutil.rmtree(tmp_path / "a")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    parse_args(Flags, "m", "", argv=["--out", str(mine)])
+    (mine / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit):
+        common.die("a check")
+    assert os.listdir(mine) == ["notes.txt"]
+    # a folder that takes no file (as /sys may, to root) is one line, and is taken back
+    monkeypatch.setattr(common.tempfile, "TemporaryFile", lambda dir: open(dir))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parse_args(Flags, "m", "", argv=["--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --out {str(out)!r} cannot be written (Is a directory)"], err
+    assert not (tmp_path / "a").exists()

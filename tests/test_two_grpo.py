@@ -215,13 +215,22 @@ def test_two_grpo_resample_with_no_mixed_pair_goes_on(tmp_path):
     assert [r["step"] for r in rows(out) if "tied_pairs" in r] == [1, 2, 3]
 
 
-def test_two_grpo_bad_input_and_help(tmp_path, main_of):
-    result = main_of("two_grpo", ["--resample", "--resample_cap", "0",
-                                  "--out", str(tmp_path / "x")])
+@pytest.mark.parametrize("args,message", [
+    (["--resample", "--resample_cap", "0"], "--resample_cap must be in [1, 2^10] (got 0)"),
+    (["--resample_cap", "2000"], "--resample_cap must be in [1, 2^10] (got 2000)"),
+    # G = 2 is the method (a G = 1 run trained nothing, and exited 0)
+    (["--group_size", "1", "--std_mode", "population"],
+     "--group_size must be 2 in 2-GRPO (got 1): grpo.py takes other sizes"),
+    (["--group_size", "8"], "--group_size must be 2 in 2-GRPO (got 8)"),
+])
+def test_two_grpo_bad_input_is_one_line(tmp_path, main_of, args, message):
+    result = main_of("two_grpo", [*args, "--out", str(tmp_path / "x")])
     lines = result.stderr.strip().splitlines()
-    assert (result.returncode == 2 and len(lines) == 1
-            and "--resample_cap must be at least 1" in lines[0])
+    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "x").exists()
+
+
+def test_two_grpo_help(main_of):
     result = main_of("two_grpo", ["--help"])
     import two_grpo
     from dataclasses import fields
