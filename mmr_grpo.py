@@ -33,21 +33,25 @@ MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the paper's jina needs remo
 
 # ==================================================================================================
 # YOUR TASK: what a completion earns, and how a question is asked. The one place to change for your
-# own data (README.md#your-own-task); a row is one line of your .jsonl, every column kept.
+# own data (README.md#your-own-task); a row is one line of your .jsonl, every column kept. Your
+# own imports go here, under this line.
 # ==================================================================================================
 METRIC = "accuracy"  # the held-out mean of reward(): "accuracy" while it pays 1 right, 0 wrong
 
 
 def reward(completion, row):
     """A float for one completion's decoded text: 1.0 when math-verify finds its final answer
-    equal to the row's gold (its 'answer' column), else 0.0."""
-    return math_reward(completion, row["gold"])
+    equal to the row's 'answer' column, else 0.0."""
+    return math_reward(completion, row["answer"])
 
 
 def prompt(row, template):
     """The chat messages that ask the row's question: --template's system prompt and user message
     (common.TEMPLATES), or a list of {"role", "content"} of your own."""
     return template_messages(template, row["question"])
+# ==================================================================================================
+# END OF YOUR TASK. Below: the method's flags, then its loop
+# ==================================================================================================
 
 
 @dataclass

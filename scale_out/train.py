@@ -62,7 +62,7 @@ def training_rows(args):
     for r in train:
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": user.replace("{question}", r["question"])})
-        rows.append({"prompt": messages, "gold": r["gold"]})
+        rows.append({"prompt": messages, "gold": r["answer"]})
     return Dataset.from_list(rows)
 
 

@@ -171,7 +171,7 @@ def test_model_generates_its_reasoning_in_the_vllm_engine():
     from grpo import prompt
     tokenizer = load_tokenizer(MODEL)
     model = load_model(MODEL, torch.device("cpu"), frozen=True)
-    rows = [{"question": r["question"], "gold": r["answer"]} for r in committed("test")[:16]]
+    rows = [{"question": r["question"], "answer": r["answer"]} for r in committed("test")[:16]]
     rows = prompt_token_ids(tokenizer, rows, prompt, "plain", 512)
     engine = VLLMEngine(MODEL, seed=0, max_model_len=512, max_num_seqs=32,
                         vocab_size=len(tokenizer), model_vocab_size=model.config.vocab_size,
@@ -182,7 +182,7 @@ def test_model_generates_its_reasoning_in_the_vllm_engine():
     assert all(o[0][0][-1] == tokenizer.eos_token_id for o in out)  # it stops by itself
     assert all(t.rstrip().endswith("</answer>") and "+" in t
                for t in texts)  # reasoning, then the tag
-    assert 0 < sum(math_reward(t, r["gold"]) for t, r in zip(texts, rows)) < len(rows)
+    assert 0 < sum(math_reward(t, r["answer"]) for t, r in zip(texts, rows)) < len(rows)
 
 
 def test_a_few_steps_of_grpo_on_chains_end_to_end(tmp_path):

@@ -366,7 +366,7 @@ def test_resume_into_another_out_is_refused(one_step_run, tmp_path, main_of):
 
 
 def no_number(completion, row):
-    return None if row["gold"] else 1.0  # every row has a gold: None, always
+    return None if row["answer"] else 1.0  # every row has an answer: None, always
 
 
 def test_a_reward_that_returns_no_number_stops_at_step_0_and_the_command_runs_again(
@@ -387,7 +387,7 @@ def test_a_reward_that_returns_no_number_stops_at_step_0_and_the_command_runs_ag
         assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
         where = f"test_cli.py:{no_number.__code__.co_firstlineno}"
         assert errors[0].startswith(f"error: reward() returned None, not a finite number ({where})"
-                                    ", on row 0: {"), errors
+                                    ", on toy train row 0: {"), errors
         assert "step 0: eval accuracy" not in result.stdout and "done:" not in result.stdout
     assert not (tmp_path / "new").exists() and os.listdir(mine) == ["notes.txt"]
     monkeypatch.undo()  # reward() fixed: the same command

@@ -105,6 +105,9 @@ def test_ones_own_reward_reads_ones_own_column(method, tmp_path, tiny_dir):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     calls = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
+    # first the load-time check: reward() once a row (24 train, 4 test), an empty completion
+    assert [c["split"] for c in calls[:28]] == ["train"] * 24 + ["test"] * 4
+    calls = calls[28:]
     train = [c["value"] for c in calls if c["split"] == "train"]
     test = [c["value"] for c in calls if c["split"] == "test"]
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -117,3 +120,64 @@ def test_ones_own_reward_reads_ones_own_column(method, tmp_path, tiny_dir):
     # evaluated at step 0 and at the end, on the 4 test rows (no validation split)
     assert len(test) == 8
     assert metrics[-1]["test_accuracy"] == pytest.approx(sum(test[4:]) / 4, abs=1e-5)
+
+
+# One's own task without a 'question' or an 'answer' column: the whole marked block replaced
+OWN_TASK = '''import statistics  # an import of one's own, where the block says
+
+METRIC = "closeness"
+
+
+def reward(completion, row):
+    """1 - |the last number of the completion - the target| / 100, at least 0."""
+    numbers = [float(t) for t in completion.split() if t.isdigit()]
+    guess = numbers[-1] if numbers else statistics.mean(row["numbers"])
+    return max(0.0, 1 - abs(guess - row["target"]) / 100)
+
+
+def prompt(row, template):
+    return [{"role": "user", "content": f"Make {row['target']} from {row['numbers']}"}]
+'''
+
+
+def replace_task(source):
+    """The script with its whole marked block (after its heading, up to its end) replaced."""
+    heading = source.index("\n", source.index("# =====", source.index("# YOUR TASK")))
+    end = source.index("# ==========", source.index("return template_messages"))
+    return source[:heading + 1] + OWN_TASK + source[end:]
+
+
+def test_a_task_of_ones_own_columns_and_a_missing_column(tmp_path, tiny_dir):
+    """A copied grpo.py whose marked block holds an import, a METRIC and a reward and prompt of its
+    own, on rows with neither a 'question' nor an 'answer' (the defaults' columns): it trains, and
+    its progress bar and last line name its METRIC. The default block on rows without an 'answer'
+    stops with one line naming reward(), the column, the file and the row, before the model
+    loads."""
+    for name in ("grpo.py", "common.py"):
+        shutil.copy(os.path.join(REPO, name), tmp_path)
+    default = (tmp_path / "grpo.py").read_text()
+    (tmp_path / "grpo.py").write_text(replace_task(default))
+    rows = [{"numbers": [a, 20], "target": a + 20} for a in range(10, 30)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    command = [sys.executable, "grpo.py", "--model", tiny_dir, "--dataset", "data.jsonl",
+               "--steps", "1", "--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4",
+               "--rollout", "hf"]
+    result = subprocess.run(command + ["--out", "run"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "closeness=" in result.stderr and "acc=" not in result.stderr
+    assert "done: test closeness" in result.stdout
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert "eval_closeness" in metrics[0] and "test_closeness" in metrics[-1]
+    (tmp_path / "grpo.py").write_text(default)
+    rows = [{"question": f"What is {a} + 20?"} for a in range(10, 30)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = subprocess.run(command + ["--out", "run2"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert errors[0].startswith("error: reward() raised KeyError('answer') (grpo.py:"), errors
+    assert "on data.jsonl train row 0: {'question': 'What is" in errors[0], errors
+    assert "loading" not in result.stdout and not (tmp_path / "run2").exists()

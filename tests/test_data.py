@@ -24,7 +24,7 @@ def test_toy_dataset_has_train_and_test_splits():
     # no val.jsonl: test serves during training
     assert len(train) == 1920 and len(test) == 50 and val is None
     # every column kept, and the two the default prompt and reward read
-    assert train[0].keys() == {"question", "answer", "gold"} and train[0]["gold"].isdigit()
+    assert train[0].keys() == {"question", "answer"} and train[0]["answer"].isdigit()
 
 
 def test_single_file_holds_out_a_fixed_eval_split(tmp_path):
@@ -43,9 +43,9 @@ def test_a_folder_with_a_validation_split(tmp_path):
     for name, part in (("train", rows[:10]), ("val", rows[10:20]), ("test", rows[20:])):
         write(tmp_path / f"{name}.jsonl", part)
     train, val, test = load_dataset(str(tmp_path), eval_n=4)
-    assert [r["gold"] for r in train] == [str(i) for i in range(10)]
-    assert [r["gold"] for r in val] == ["10", "11", "12", "13"]
-    assert [r["gold"] for r in test] == ["20", "21", "22", "23"]
+    assert [r["answer"] for r in train] == [str(i) for i in range(10)]
+    assert [r["answer"] for r in val] == ["10", "11", "12", "13"]
+    assert [r["answer"] for r in test] == ["20", "21", "22", "23"]
     train, val, test = load_dataset("chains", eval_n=1000)
     assert (len(train), len(val), len(test)) == (512, 150, 300)
 
@@ -54,19 +54,19 @@ def test_gsm8k_style_rows(tmp_path):
     path = write(tmp_path / "g.jsonl",
                  [json.dumps({"question": "q", "answer": "work\n#### 1,234"})] * 3)
     train, _, test = load_dataset(path, eval_n=1)
-    assert train[0]["gold"] == "1234"
+    assert train[0]["answer"] == "1234"
 
 
 @pytest.mark.parametrize("lines,message", [
     (['{"question": "a", "answer": "1"}', "{not json"], "line 2 is not valid JSON"),
-    (['{"question": "a", "answer": "1"}', '{"question": "b"}'], "row 2 needs a 'question'"),
-    (['{"text": "a"}'], "row 1 needs"),
-    (['["a", "b"]'], "row 1 needs"),
-    # a gold is a string or a finite number: not NaN, inf, a bool (an int to Python), a list
-    (['{"question": "a", "answer": NaN}'], "row 1 needs .* an 'answer' .a string or a finite"),
+    (['{"question": "a", "answer": "1"}', '{"question": "b", "answer": " "}'],
+     "row 2's 'answer' must be a string or a finite number"),
+    (['["a", "b"]'], "row 1 is not a JSON object"),
+    # an answer is a string or a finite number: not NaN, inf, a bool (an int to Python), a list
+    (['{"question": "a", "answer": NaN}'], "row 1's 'answer' must be a string or a finite"),
     (['{"question": "a", "answer": "1"}', '{"question": "a", "answer": -Infinity}'], "row 2"),
-    (['{"question": "a", "answer": true}'], "row 1 needs"),
-    (['{"question": "a", "answer": ["1"]}'], "row 1 needs"),
+    (['{"question": "a", "answer": true}'], "row 1's 'answer'"),
+    (['{"question": "a", "answer": ["1"]}'], "row 1's 'answer'"),
     ([""], "no rows"),
     # one row: none left to train on once one is held out
     (['{"question": "a", "answer": "1"}'], "bad.jsonl': 1 row, too few to hold one out for "
@@ -126,7 +126,7 @@ def test_prompts_go_through_the_chat_template():
 def test_a_prompt_of_ones_own_reads_any_column():
     """A prompt(row, template) of one's own: the rows keep every column of the dataset."""
     tokenizer = load_tokenizer(TOY_MODEL)
-    rows = [{"question": "Q", "gold": "1", "hint": "count twice"}]
+    rows = [{"question": "Q", "answer": "1", "hint": "count twice"}]
 
     def own(row, template):
         return [{"role": "system", "content": row["hint"]},
@@ -137,9 +137,9 @@ def test_a_prompt_of_ones_own_reads_any_column():
 
 def test_overlong_prompts_are_dropped():
     tokenizer = load_tokenizer(TOY_MODEL)
-    rows = [{"question": "What is 1 + 2?", "gold": "3"}, {"question": "x " * 500, "gold": "1"}]
+    rows = [{"question": "What is 1 + 2?", "answer": "3"}, {"question": "x " * 500, "answer": "1"}]
     kept = prompt_token_ids(tokenizer, rows, prompt, "plain", max_prompt_len=64)
-    assert ([r["gold"] for r in kept] == ["3"]
+    assert ([r["answer"] for r in kept] == ["3"]
             and kept[0]["prompt_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>"))
 
 

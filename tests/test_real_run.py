@@ -309,7 +309,7 @@ def test_a_reward_batch_cannot_stall_a_step(monkeypatch):
     def slow(text, row):
         now[0] += 40.0  # as math-verify on a degenerate answer, near its 5 s limit, ... slower
         return 1.0
-    rows = [{"gold": "1"}] * 5
+    rows = [{"answer": "1"}] * 5
     rewards, counts = score(["<answer>1</answer>"] * 5, rows, slow, budget=100.0)
     assert rewards[:3] == [1.0, 1.0, 1.0] and counts["capped"] == 2
     assert all(math.isnan(r) for r in rewards[3:])

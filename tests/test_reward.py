@@ -392,7 +392,7 @@ def test_timeouts_and_misses_are_counted():
     """score tallies math_reward's outcomes however a script's reward() calls it (here grpo.py's
     default, which passes no counts of its own)."""
     from grpo import reward
-    rows = [{"gold": "1"}, {"gold": "1"}]
+    rows = [{"answer": "1"}, {"answer": "1"}]
     rewards, counts = score(["nothing here", "\\boxed{1}"], rows, reward)
     assert rewards == [0.0, 1.0] and counts["no_answer"] == 1
     counts = collections.Counter()

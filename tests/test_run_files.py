@@ -212,7 +212,7 @@ def test_batch_metrics_by_hand():
 
 # ---------------------------------------------------------------- reward() and prompt(), safely
 
-ROW = {"question": "What is 12 + 35?" + " and more" * 20, "answer": "47", "gold": "47",
+ROW = {"question": "What is 12 + 35?" + " and more" * 20, "answer": "47",
        "prompt_ids": [5, 6, 7]}
 
 
@@ -238,9 +238,9 @@ def test_a_reward_that_returns_no_finite_number_is_one_line(capsys, returns, sho
     row (its index, its first 80 characters, not our prompt_ids); NaN is no longer 'unread'."""
     line, first = refused_reward(capsys, returns)
     assert line.startswith(f"error: reward() returned {shown}, not a finite number "
-                           f"(test_run_files.py:{first}), on row 0: "), line
+                           f"(test_run_files.py:{first}), on rollout row 0: "), line
     columns = str({k: v for k, v in ROW.items() if k != "prompt_ids"})
-    assert line.endswith(f"on row 0: {columns[:80].strip()}"), line
+    assert line.endswith(f"on rollout row 0: {columns[:80].strip()}"), line
 
 
 def test_a_reward_that_raises_is_one_line_naming_its_line(capsys):
@@ -254,7 +254,7 @@ def test_a_reward_that_raises_is_one_line_naming_its_line(capsys):
     assert stop.value.code == 2 and len(err) == 1, err
     assert err[0].startswith("error: reward() raised JSONDecodeError('Expecting value: line 1 "
                              "column 1 (char 0)') (test_run_files.py:"
-                             f"{reward.__code__.co_firstlineno + 1}), on row 0: "), err
+                             f"{reward.__code__.co_firstlineno + 1}), on rollout row 0: "), err
 
 
 @pytest.mark.parametrize("value", [1, 0.5, np.float32(0.25), np.int64(2), torch.tensor(0.5),
@@ -361,13 +361,11 @@ def test_a_prompt_that_fails_is_one_line(capsys):
 
 def test_out_is_made_before_loading_and_taken_back_by_a_refusal(tmp_path, monkeypatch, capsys):
     """--out is made and a file written in it at parse time (os.access says yes to root under
-    /proc); a run stopped by a check before its first checkpoint takes back the folder it made,
-    or its own files in a folder that was there (whose other files stay)."""
+    /proc); a run stopped by a check before its first evaluation has passed takes back the folder
+    it made, and leaves a folder that was there as it was (the run writes nothing in it before)."""
     out = tmp_path / "a" / "b"
     args = parse_args(Flags, "m", "", argv=["--out", str(out)])
     assert os.path.isdir(out) and os.listdir(out) == [] and args.out == str(out)
-    (out / "config.json").write_text("{}")
-    (out / "metrics.jsonl").write_text("")
     with pytest.raises(SystemExit):
         common.die("a check after the folder was made")
     assert not (tmp_path / "a").exists()  # every folder the run made
@@ -380,7 +378,6 @@ def test_out_is_made_before_loading_and_taken_back_by_a_refusal(tmp_path, monkey
     mine.mkdir()
     (mine / "notes.txt").write_text("kept")
     parse_args(Flags, "m", "", argv=["--out", str(mine)])
-    (mine / "metrics.jsonl").write_text("")
     with pytest.raises(SystemExit):
         common.die("a check")
     assert os.listdir(mine) == ["notes.txt"]
