@@ -13,7 +13,6 @@ Run:
     python dppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset math  # one 80 GB GPU with vLLM
 """
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +24,7 @@ from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics,
                     rollout_seed, score, sequence_logprobs, setup, take_prompts, template_messages,
                     tied_groups, token_coefficients)
 
-METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
+METHOD = "dppo"  # names the run, its bar and config.json
 
 
 # ==================================================================================================

@@ -18,7 +18,6 @@ Run:
     python grpo.py --resume runs/grpo-gsm8k-20261122-101500  # continue an interrupted run
 """
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics,
                     rollout_seed, score, sequence_logprobs, setup, take_prompts,
                     template_messages, token_coefficients)
 
-METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
+METHOD = "grpo"  # names the run, its bar and config.json
 
 
 # ==================================================================================================

@@ -27,7 +27,7 @@ from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics,
                     rollout_seed, score, sequence_logprobs, setup, take_prompts, template_messages,
                     token_coefficients)
 
-METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
+METHOD = "mmr_grpo"  # names the run, its bar and config.json
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the paper's jina needs remote code
 
 

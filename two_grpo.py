@@ -18,7 +18,6 @@ Run:
 """
 import collections
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ from common import (DATASETS, RECIPE, TEMPLATES, PhaseTimer, Sample, arg, batch_
                     recipe_arg, rollout_seed, score, sequence_logprobs, setup, take_prompts,
                     template_messages, tied_groups, token_coefficients)
 
-METHOD = os.path.splitext(os.path.basename(__file__))[0]  # names the run, its bar and config.json
+METHOD = "two_grpo"  # names the run, its bar and config.json
 
 
 # ==================================================================================================
