@@ -1,24 +1,26 @@
 """What the five scripts share. A method is two files: copy `<method>.py` and this one.
 
-Part I is one GRPO step, in the order a reader learns it (the maths: docs/grpo.md):
+Part I is one GRPO step, in the order a reader learns it (the maths: docs/grpo.md), and it is what
+runs: every production concern in it is one call, to a helper of Part III whose name says what it
+does.
 
   grpo.py's step        section here      functions
-  1. rollout            1. rollout        rollout_seed, VLLMEngine.generate, HFEngine.generate
-  2. reward             2. reward         math_reward (extract_answer finds the answer), score
-  3. advantages         3. advantages     group_advantages, Sample
+  1. rollout            1. rollout        VLLMEngine.generate, HFEngine.generate
+  2. reward             2. reward         math_reward, score
+  3. advantages         3. advantages     group_advantages, tied_groups, Sample
   4. log-probs and      4. loss           token_coefficients, token_loss
-     the update         5. update         policy_update
+     the update         5. update         Passes, policy_update
                         6. log-probs      sequence_logprobs, packed_logprobs, chunked_logprobs
-  5. push               1. rollout        VLLMEngine.push (engine_weights)
+  5. push               1. rollout        VLLMEngine.push
 
 Part II is what makes the step fast, and may be skipped on a first read: 7. packing
-(pack_microbatches, Passes), 8. the packed row's attention (seq_layout, varlen_attention), 9. the
-GPU flash path (flash_attention). Part III is the run: 10. models and optimiser, 11. flags, 12.
-data, 13. evaluation and setup, 14. the run folder (checkpoints, metrics.jsonl, warnings, the phase
-timer), 15. the user's reward() and prompt() called safely (time limits, checked values). Nothing
-is used before its part defines it, but section 15's helpers: Part I calls them, in one line each.
-
-Skip on a first read: how the final answer is found and the alarm around math-verify (section 2).
+(pack_microbatches), 8. the packed row's attention (packed_row, seq_layout, varlen_attention, with
+sliding windows and attention sinks), 9. the GPU flash path (flash_attention). Part III is the run:
+10. the step's details (the engine's options and seeds, how the final answer is found, unread
+answers, the update's per-token fields and statistics, LoRA's reference, the touches after the LM
+head), 11. models and optimiser (the start-up check of the packed step: check_packing), 12. flags,
+13. data, 14. evaluation and setup, 15. the run folder (checkpoints, metrics.jsonl, warnings, the
+phase timer), 16. the user's reward() and prompt() called safely (time limits, checked values).
 """
 import argparse
 import collections
@@ -1141,17 +1143,17 @@ def check_packing(model, passes, attn, longest):
     """The start-up check, before the first rollout: the packed log-probs of a probe against each
     of its sequences alone through the model's own eager attention, in the trainer's dtype. The
     probe is a prompt with two completions (laid out once with --shared_prompt) and a second
-    prompt with one, the longest past the model's shortest sliding window where the run's
-    sequences (`longest` tokens) can pass it. Returns the passes to train with: these, or, for
-    --attn eager / sdpa / flash_attention_2 on a model whose masks do not see a packed row, each
-    sequence in a forward of its own. Past the tolerance with --attn varlen, or alone: one line,
-    exit 2. docs/grpo.md#architectures"""
+    prompt with one, the longest past the model's sliding window where the run's sequences
+    (`longest` tokens) can pass it. Returns the passes to train with: these, or, for --attn eager
+    / sdpa / flash_attention_2 on a model whose masks do not see a packed row, each sequence in a
+    forward of its own. Past the tolerance with --attn varlen, or alone: one line, exit 2.
+    docs/grpo.md#start-up-check"""
     config = model.config
     arch = (config.architectures or [config.model_type])[0]
-    others = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYERS)
+    others = ", ".join(sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYERS))
     if others and attn == "varlen":
-        die(f"{arch}: its {', '.join(others)} layers would mix a packed row's sequences: "
-            "--attn eager runs each sequence in a forward of its own")
+        die(f"{arch}: its {others} layers would mix a packed row's sequences: --attn eager runs "
+            "each sequence in a forward of its own")
     window = getattr(config, "sliding_window", None) or math.inf
     length = min(24 if window >= longest else window + 8, longest)
     gen = torch.Generator().manual_seed(0)
@@ -1162,20 +1164,13 @@ def check_packing(model, passes, attn, longest):
     training = model.training
     model.eval()  # no dropout
     try:
-        with torch.no_grad():
-            want, noise = eager_logprobs(model, probe, passes.vocab_size)
-            # bf16 on a GPU: the model's own bf16 forward is `noise` from its fp32 one
-            tolerance = PROBE_TOLERANCE + 4 * noise
-            error = math.inf  # (a model with other token mixers is not packed at all)
-            if not others:
-                got = packed_logprobs(model, probe, 1.0, passes.vocab_size, passes.chunk,
-                                      passes.shared)
-                error = (got.float() - want).abs().max().item()
-            alone = error
-            if error > tolerance and attn != "varlen":  # its masks do not see the packing
-                passes = passes._replace(packed=False, shared=False)
-                got = packed_logprobs(model, probe, 1.0, passes.vocab_size, packed=False)
-                alone = (got.float() - want).abs().max().item()
+        want, noise = eager_logprobs(model, probe, passes.vocab_size)
+        # bf16 on a GPU: the model's own bf16 forward is `noise` from its fp32 one
+        tolerance = PROBE_TOLERANCE + 4 * noise
+        error = math.inf if others else probe_error(model, probe, passes, want)
+        if error > tolerance and attn != "varlen":  # its masks do not see the packing
+            passes = passes._replace(packed=False, shared=False)
+        alone = error if passes.packed else probe_error(model, probe, passes, want)
     except Exception as e:  # (an architecture the packed step cannot run at all)
         die(f"{arch}: the start-up probe of --attn {attn} failed ({e!r:.200}): --attn eager "
             "runs the model as it does")
@@ -1184,19 +1179,25 @@ def check_packing(model, passes, attn, longest):
         die(f"{arch}: on the start-up probe the packed step's log-probs differ from the model's "
             f"own by {alone:.2g} nats (tolerance {tolerance:.0e}): --attn {attn} does not compute "
             "this architecture's attention as it does; --attn eager runs it as the model does")
-    where = f"{len(probe)} probe sequences of up to {length} tokens"
-    against = f"against each alone through {arch}'s own eager attention"
-    if passes.packed:
-        print(f"packing check: {where} packed, {against}: max |error| {error:.1e} nats "
-              f"(tolerance {tolerance:.0e})")
-    else:
-        why = f"its {', '.join(others)} layers" if others else "its masks do not see a packed row"
+    if not passes.packed:
+        why = f"its {others} layers" if others else "its masks do not see a packed row"
         print(f"packing check: --attn {attn} runs each sequence of {arch} in a forward of its own "
-              f"({why}; packed: max |error| {error:.2g}), slower; {where}, {against}: max "
-              f"|error| {alone:.1e} nats (tolerance {tolerance:.0e})")
+              f"({why}; packed: max |error| {error:.2g}), slower")
+    print(f"packing check: {len(probe)} probe sequences of up to {length} tokens, "
+          f"{'packed' if passes.packed else 'each alone'}, against each alone through {arch}'s "
+          f"own eager attention: max |error| {alone:.1e} nats (tolerance {tolerance:.0e})")
     return passes
 
 
+@torch.no_grad()
+def probe_error(model, probe, passes, want):
+    """The largest difference of the probe's log-probs, as the passes compute them, from `want`."""
+    got = packed_logprobs(model, probe, 1.0, passes.vocab_size, passes.chunk, passes.shared,
+                          passes.packed)
+    return (got.float() - want).abs().max().item()
+
+
+@torch.no_grad()
 def eager_logprobs(model, samples, vocab_size):
     """Each sequence alone through the model's whole forward with its own eager attention: the
     completions' log-probs [N] in fp32, and how far the same under bf16 autocast is from them
@@ -1204,19 +1205,18 @@ def eager_logprobs(model, samples, vocab_size):
     attn = model.config._attn_implementation
     model.set_attn_implementation("eager")
     device = next(model.parameters()).device
-    out = {}
-    for dtype in [torch.float32] + [torch.bfloat16] * (device.type == "cuda"):
+    out = []
+    for bf16 in [False] + [True] * (device.type == "cuda"):
         logps = []
         for s in samples:
             ids = torch.tensor([s.prompt_ids + s.completion_ids], device=device)  # [1, L]
-            with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                 logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1, :vocab_size]
             targets = torch.tensor(s.completion_ids, device=device)[:, None]  # [|o|, 1]
             logps.append(logits.float().log_softmax(-1).gather(1, targets)[:, 0])
-        out[dtype] = torch.cat(logps)  # [N]
+        out.append(torch.cat(logps))  # [N]
     model.set_attn_implementation(attn)
-    noise = (out.get(torch.bfloat16, out[torch.float32]) - out[torch.float32]).abs().max().item()
-    return out[torch.float32], noise
+    return out[0], (out[-1] - out[0]).abs().max().item()
 
 
 def add_lora(model, r, alpha, saved=None):

@@ -570,6 +570,26 @@ def test_hf_generate_is_unchanged_by_the_varlen_attention(tiny_dir, tiny, arch_d
     assert outs[0] == outs[1]
 
 
+def test_hf_generate_sets_every_sampling_field_and_warns_of_none(tiny, capfd):
+    """HF generate fills unset sampling fields from the model's own generation config (Qwen's
+    top-k 20), so every one is set; top-k and min-p only when sampling, since greedy decoding
+    ignores them and transformers warns that it does, once a run."""
+    import transformers
+    from common import HFEngine
+    model, tokenizer = tiny
+    engine = HFEngine(model, tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    transformers.logging.set_verbosity_warning()
+    capfd.readouterr()
+    engine.generate([[5, 6, 7]], n=1, temperature=0.0, max_tokens=4, seed=0)
+    engine.generate([[5, 6, 7]], n=2, temperature=1.0, max_tokens=4, seed=0)
+    assert "not valid and may be ignored" not in capfd.readouterr().err
+    config = common.neutral_generation_config(model, tokenizer, len(tokenizer), [1], 1.0, 4, 2)
+    assert (config.top_k, config.min_p, config.top_p, config.repetition_penalty) == (0, 0.0, 1.0,
+                                                                                   1.0)
+    greedy = common.neutral_generation_config(model, tokenizer, len(tokenizer), [1], 0.0, 4, 1)
+    assert not greedy.do_sample and greedy.top_k is None and greedy.min_p is None
+
+
 def test_packed_inputs_layout():
     ids, pos, predict, targets = packed_inputs([Sample([5, 6], [7]), Sample([8], [9, 2])], "cpu")
     assert ids.tolist() == [[5, 6, 7, 8, 9, 2]]
