@@ -175,35 +175,37 @@ class HFEngine:
 # by side: such a pattern backtracks for long on a line of spaces, and no alarm stops a regex in C.
 ANCHOR = r"(?i)\b(?:final answer|answer)\s*(?:\*\*\s*)?(?:is\b|:)\s*(?:\*\*\s*)?:?\s*(?:\*\*)?"
 # a gold that is a number, so that only a number may match it: -1,234.5, .35, \$36, 3/4,
-# \frac{3}{4}, \frac43, 1\frac{4}{5}
-NUMBER_GOLD = re.compile(r"(?=\D*\d)(?:\\\$)?-?(?:\d[\d,]*)?(?:\.\d+)?"
+# \frac{3}{4}, \frac43, 1\frac{4}{5}; not the pair -2,1, whose comma parts no digit groups
+NUMBER_GOLD = re.compile(r"(?=\D*\d)(?:\\\$)?-?(?:\d+(?:,\d{3})*)?(?:\.\d+)?"
                          r"(?:/\d+|\s*\\[dt]?frac\s*(?:\d|\{\d+\})\s*(?:\d|\{\d+\}))?")
 # the last side of a chain is what an answer commits to: '82 + 57 = 139', '82+57 → 139',
-# '82 + 57 \Rightarrow 139', 'a => b', 'a -> b', 'a \to b', '\implies', '\longrightarrow'; not the
-# '=' of '<=', '>=', '!='
-COMMIT = re.compile(r"(?<![<>!])=>?|->|[→⇒⟹]"
-                    r"|\\(?:to|implies|(?:[lL]ong)?[rR]ightarrow)(?![a-zA-Z])")
-# a working in brackets (one level nested) after a value (a number, then no '=' or arrow) and a
-# space, and the punctuation that ends it: '36 dollars (3 * 12).', 'x = 243 (3 * (16.5 + 64.5))';
-# not '2(69.5)', with no space, a product, nor '= (139)', with no value before it
-WORKING = re.compile(r"(\d[^()=→⇒]*?)\s\((?:[^()]|\([^()]*\))*\)[\s.,;]*$")
-# what is not part of the value: braces, LaTeX's spaces ('82\,+\,57' is '82+57'); brackets stay,
-# since a number against a bracket is a product ('2(69.5)')
-SPACING = re.compile(r"\\left|\\right|\\[,:;! ]|\\q?quad|\\text\{\s*\}|~|[\s{}$]")
-# scientific notation is a number: 1.5 \times 10^{6}, 10^{-3}; not 13900 \times 10^{-2}, whose
+# '82 + 57 \Rightarrow 139', 'a => b', 'a -> b', 'a \to b', '\implies', '\longrightarrow', and a
+# rounding, '82.3 + 56.7 \approx 139' ('≈'); not the '=' of '<=', '>=', '!='
+COMMIT = re.compile(r"(?<![<>!])=>?|->|[→⇒⟹≈]"
+                    r"|\\(?:to|approx|implies|(?:[lL]ong)?[rR]ightarrow)(?![a-zA-Z])")
+# a bracket (one level nested) after a value (a number, then no '=' or arrow) and a space, and the
+# punctuation that ends the line, when it is a working (an operation in it, '+' or '-' after a
+# number or a bracket, not a sign: '36 dollars (3 * 12).', 'x = 243 (3 * (16.5 + 64.5))',
+# '230 (460/2)') or a note (no digit: '139 (rounded)'); not a second value ('139 (or maybe 140)',
+# '-50 (or maybe -49)', '139 (140?)'), nor '2(69.5)', with no space, a product, nor '= (139)',
+# with no value before it
+WORKING = re.compile(r"(\d[^()=→⇒]*?)\s\((?=.*?(?:[*/×÷·=^]|\\[dt]?frac|\\times|\\cdot|\\div"
+                     r"|[\d)]\s*[-+:])|\D*$)(?:[^()]|\([^()]*\))*\)[\s.,;]*$")
+# what is not part of a number's count: braces, LaTeX's spaces ('82\,+\,57' is '82+57'), '\frac'
+# (its terms one number: '1\frac{4}{5}' is 145), a unit's exponent ('m^{2}'; not a number's, a
+# power: '2^{10}'); brackets stay, since a number against a bracket is a product ('2(69.5)'), and
+# so does the space after a comma, which parts items ('138, 139' is no 138139)
+SPACING = re.compile(r"\\left|\\right|\\[dt]?frac|(?<![\d)\]])\^\{?-?\d+\}?|\\[,:;! ]|\\q?quad"
+                     r"|\\text\{\s*\}|~|(?<!,)\s|[{}$]")
+# scientific notation is one number: 1.5 \times 10^{6}, 10^{-3}; not 13900 \times 10^{-2}, whose
 # mantissa is no single digit
 SCIENTIFIC = re.compile(r"(?:(?<![\d.])\d(?:\.\d+)?(?:\\times|\\cdot|\*|×|·))?10\^-?\d+")
 # numbers side by side, which math-verify multiplies or adds: '69.5 2', '2 \quad 69.5', '82 57'
 APART = re.compile(r"(?<=\d)(?:\s|\\[,:;! ]|\\q?quad|~)+(?=\d)")
-# what commits to no number: no digit at all ('x', '?', '...', '\square', ''); or a number, an
-# operation (sum, difference, product, quotient, power), a number or a fraction, brackets around
-# either allowed: '82+57', '(82)+57', '3\times4', '3×−4', '278÷2', '2^10', '69.5*2' (APART's),
-# '1-\frac{5}{18}', '\frac12\cdot\frac12'; or a number against a bracket, a product: '2(69.5)',
-# '(2)(69.5)', '(2)69.5' (not '(A) 18', a choice's label); or a slash with a decimal or a bracket
-# beside it: '13.9/0.1', '278/(2)'. A fraction of whole numbers (3/4, 170/2) is a number.
-UNDONE = re.compile(r"^\D*$|\d[)\]]*(?:\*\*|[-+*×·^−∗⋅∙⋆÷]|\\times|\\cdot|\\ast|\\div)[(\[]*[-−]?"
-                    r"(?:\d|\\[dt]?frac)|\d[(\[]|\d[)\]]+[(\[]*[-−]?\d"
-                    r"|\.\d+/\d|\d/\d*\.\d|[)\]]/|/[(\[]")
+# a number, with the parts of one that are no second number: a decimal point, digit groups (1,000;
+# not in a bracket, where a comma parts items, as math-verify reads '\max(82,139)' and
+# '(138,139)'), a fraction's slash (3/4, 170/2; not beside a decimal: '13.9/0.1' is two)
+NUMBER = re.compile(r"(?<=[(\[])\d+(?:\.\d+)?|\d+(?:,\d{3}(?!\d))*(?:\.\d+)?(?:/\d+)?")
 
 
 def last_boxed(text):
@@ -213,11 +215,10 @@ def last_boxed(text):
         return None
     box = found[-1]
     if not box.group(1):  # no brace: the word after it
-        bare = re.match(r"[^\s$]+", text[box.end():])
-        return bare.group(0) if bare else None
+        return re.match(r"[^\s$]*", text[box.end():]).group(0) or None
     depth = 0
     for j in range(box.start(1), len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)  # an opening brace +1, a closing one -1
+        depth += (text[j] == "{") - (text[j] == "}")  # an opening brace +1, a closing one -1
         if depth == 0:  # the brace that closes the box
             return text[box.start(1) + 1:j].strip()
     return None
@@ -231,33 +232,47 @@ def final_answer(text):
         return boxed
     if "####" in text:  # the first line after the last '####'
         return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
-    found = list(re.finditer(ANCHOR, text))
-    if not found:
+    parts = re.split(ANCHOR, text)  # the text around each anchor
+    if len(parts) < 2:
         return None
-    line = text[found[-1].end():].split("\n", 1)[0]  # the rest of the last anchor's line
+    # the rest of the last anchor's line, and the next when it ends open ('82 + 57 =', an arrow)
+    line = re.split(r"(?<![=>→⇒⟹])\n", parts[-1], maxsplit=1)[0]
     phrase = re.split(r"\.(?:\s|$)|\sI hope|\*\*", line, maxsplit=1)[0]  # to its sentence's end
-    return phrase.strip().strip("$").strip().rstrip(".,;") or None
+    return phrase.strip(" \t\r\n$").rstrip(".,;") or None
 
 
 def extract_answer(text):
     """The last <answer>...</answer> (its final_answer, else all of it), else final_answer(text)."""
+    text = re.sub(r"(?i)<(/?)answer>", r"<\1answer>", text)  # '<Answer>' is the same tag
     end = text.rfind("</answer>")  # str.rfind: a lazy regex would rescan from every unclosed tag
     start = text.rfind("<answer>", 0, max(end, 0))
-    if end < 0 or start < 0:
+    if start < 0:  # (so is end)
         return final_answer(text)
-    tag = text[start + 8:text.find("</answer>", start + 8)]  # (8: len("<answer>"))
+    tag = text[start + 8:].split("</answer>", 1)[0]  # (8: len("<answer>"))
     return final_answer(tag) or tag.strip()
 
 
+def count_numbers(text):
+    """How many numbers `text` names; a value names one. Arithmetic left undone names two or more
+    ('82 + 57', '2(69.5)', '278 ÷ 2', '278:2', '82+\\sqrt{3249}', '2^{10}', '69.5 2'), and so does
+    a list, set, tuple or hedge ('138, 139', '\\{1000, 139\\}', '\\max(82,139)', '18 or 19'); an
+    unknown none ('x', '?', '\\square', 'x^2'). A sign (-5), digit groups (1,000), a fraction (3/4,
+    \\frac{3}{4}, 1\\frac{4}{5}), scientific notation (1.5 \\times 10^{6}) and a unit's exponent
+    (18 m^2) are parts of one number."""
+    return len(NUMBER.findall(SCIENTIFIC.sub("1", SPACING.sub("", APART.sub("*", text)))))
+
+
 def committed_value(answer):
-    """The value an answer commits to, for a gold that is a number: its chain's last side ('82+57
-    → 139' is '139'), a working in brackets after it aside ('36 dollars (3 * 12)' is '36 dollars');
-    None when that side holds no number ('82 + 57 = x', '= ?') or arithmetic left undone
-    ('82 + 57', '2(69.5)', '69.5 2', '278 ÷ 2'). A fraction (3/4) or a sign (-5) is a number."""
-    value = COMMIT.split(WORKING.sub(r"\1", answer))[-1]
-    value = re.sub(r"(?<=\d) (?=\d{3}(?!\d))", "", value)  # '1 000' is 1000, not 1 * 000
-    compact = SCIENTIFIC.sub("1", SPACING.sub("", APART.sub("*", value)))  # '{82} + 57' is '82+57'
-    return None if UNDONE.search(compact) else value
+    """The value an answer commits to, for a gold that is a number: its last line that names one
+    number ('82 + 57\\n139' and '139\\nExplanation: I added 82 and 57.' are '139'), of that line
+    its chain's last side ('82+57 → 139' is '139'), less a working or a note in brackets after it
+    ('36 dollars (3 * 12)' is '36 dollars'); None when no line names one number
+    (`count_numbers`)."""
+    for line in reversed(answer.split("\n")):
+        value = COMMIT.split(WORKING.sub(r"\1", line))[-1]
+        if count_numbers(value) == 1:
+            return value
+    return None
 
 
 def math_reward(completion, gold, timeout=5.0, counts=None):
@@ -267,18 +282,19 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
         counts = TALLY.get()
     if counts is None:
         counts = collections.Counter()
-    answer = extract_answer(completion) if isinstance(completion, str) else None
+    answer = isinstance(completion, str) and extract_answer(completion)
     if not answer or len(answer) > 1000:  # longer is no final answer, and slow to parse
         counts["no_answer"] += 1
         return 0.0
-    # 1\,000: LaTeX's thin space between digit groups, which math-verify would read as 1 * 000
-    answer = re.sub(r"(?<=\d)\\,(?=\d{3}(?!\d))", "", answer)
+    # no part of the value: LaTeX's thin space or a space between digit groups (1\,000, 1 000),
+    # which math-verify would read as 1 * 000, and markdown's code marks ('`139`')
+    answer = re.sub(r"(?<=\d)(?:\\,| )(?=\d{3}(?!\d))|`", "", answer)
     # a number is matched by the number the answer commits to, and math-verify judges that alone:
     # '82 + 57' (the question copied) or '82 + 57 = x' is not paid for 139, nor '35 dollars
     # (3 * 12)' for 36, though math-verify would pay each (docs/grpo.md#reward)
     if NUMBER_GOLD.fullmatch(str(gold).strip()):
         answer = committed_value(answer)
-        if answer is None:
+        if not answer:
             return 0.0
     latex = [LatexExtractionConfig(boxed_match_priority=0)]
     try:

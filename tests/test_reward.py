@@ -1,7 +1,7 @@
 """math_reward: right and wrong answers in GSM8K and MATH style, what math-verify pays beyond
 them, no credit without a final answer, against a number only the number the answer commits to
-(no credit for arithmetic left undone or an equation left open), bounded time (and no alarm off
-the main thread), never raises, failures counted."""
+(no credit for arithmetic left undone, an equation left open, a list or a hedge), bounded time
+(and no alarm off the main thread), never raises, failures counted."""
 import collections
 import concurrent.futures
 import multiprocessing
@@ -99,6 +99,32 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("<answer>82 + 57 = 139 (check: 139 - 57 = 82)</answer>", "139"),  # an '=' in the working
     ("<answer>x = (139)</answer>", "139"),  # the brackets are the value
     ("<answer>(C) 18</answer>", "18"),  # a choice's label is no product
+    # issue 56: what the reviewer found refused. A note in brackets, with no number, is set aside
+    ("<answer>139 (rounded)</answer>", "139"),
+    ("<answer>230 (460/2)</answer>", "230"),  # a division in brackets is a working, not one value
+    ("<answer>0.15 (\\frac{15}{100})</answer>", "0.15"),
+    ("<answer>1,234,567 (1,000,000 + 234,567)</answer>", "1234567"),  # digit groups in the working
+    ("<answer>82.3 + 56.7 \\approx 139</answer>", "139"),  # a rounding is a chain's last side
+    ("<answer>82.3 + 56.7 \u2248 139</answer>", "139"),
+    ("<answer>`139`</answer>", "139"),  # markdown's code marks
+    ("The answer is `139`.", "139"),
+    ("<Answer>139</Answer>", "139"),  # the tag in any case
+    ("<ANSWER>139</ANSWER>", "139"),
+    # the last line that commits to a value: an explanation after it, or the working before it
+    ("<answer>139\n\nExplanation: I added 82 and 57.</answer>", "139"),
+    ("<answer>139\nExplanation: 82 + 57.</answer>", "139"),
+    ("<answer>-128\nExplanation: 16 \\cdot (-8).</answer>", "-128"),
+    ("<answer>18 (5(4) - 6 + 4)</answer>", "18"),  # a working with a bracket in it
+    ("<answer>36 dollars (12 (hours) * 3)</answer>", "36"),
+    ("<answer>\n82 + 57\n139\n</answer>", "139"),
+    ("<answer>82 + 57 =\n139</answer>", "139"),
+    ("The answer is: 82 + 57 =\n139", "139"),  # the anchor's line left open goes on to the next
+    ("<answer>\\frac{3}{4}</answer>", "0.75"),  # a fraction, its two numbers one value
+    ("<answer>1\\frac{4}{5}</answer>", "1.8"),
+    ("<answer>90^\\circ</answer>", "90"),  # degrees: '^' before a command, no power
+    # a gold that is no number is math-verify's to judge: a list against a list
+    ("<answer>138, 139</answer>", "138, 139"),
+    ("<answer>-2, 1</answer>", "-2,1"),  # (MATH-500's) a pair, not digit groups
     # an expression gold is math-verify's to judge: the computation is the answer
     ("<answer>2^{10}</answer>", "2^{10}"),
     ("<answer>x+1</answer>", "x+1"),
@@ -139,6 +165,9 @@ WRONG = [  # each must score 0.0
     ("<answer>35 dollars (3 * 12)</answer>", "36"),
     ("<answer>140 (82 + 57 = 139)</answer>", "139"),
     ("<answer>1 000</answer>", "0"),  # digit groups, not the product 1 \cdot 000
+    ("<answer>139\n138</answer>", "139"),  # the last line that commits counts, as the last box
+    ("<answer>139\nExplanation: half of 278.</answer>", "139"),  # a line with one number: a value
+    ("The answer is 82 + 57\n139", "139"),  # a closed line: the anchor's phrase ends there
 ]
 # Arithmetic on numbers left undone, or an equation left open, against a number: math-verify would
 # evaluate it and pay, but a number must be matched by the number the answer commits to
@@ -187,6 +216,30 @@ COMPUTATIONS = [
     ("<answer>998 + \\frac{1}{2}</answer>", "\\frac{1997}{2}"),
     ("<answer>13.9/0.1</answer>", "139"),
     ("<answer>278/(2)</answer>", "139"),
+    # issue 56: a ratio (math-verify reads it as a fraction), an operation before a LaTeX command
+    ("<answer>278:2</answer>", "139"),
+    ("<answer>556 : 4</answer>", "139"),
+    ("<answer>82+\\sqrt{3249}</answer>", "139"),
+    ("<answer>2 \\times \\sqrt{4830.25}</answer>", "139"),
+]
+# One value, nothing that hedges (issue 56): against a number, an answer naming two numbers (a
+# list, set, tuple, the arguments of a function, an alternative with 'or' or in brackets) commits
+# to none; math-verify pays each whose last item (or, in brackets, first) is the gold
+HEDGES = [
+    ("<answer>138, 139</answer>", "139"),
+    ("\\boxed{138, 139}", "139"),
+    ("The answer is 138, 139.", "139"),
+    ("<answer>1,000, 139</answer>", "139"),  # digit groups, then a list
+    ("<answer>\\{1000, 139\\}</answer>", "139"),
+    ("<answer>[138, 139]</answer>", "139"),
+    ("<answer>(138, 139)</answer>", "139"),
+    ("<answer>x \\in \\{138, 139\\}</answer>", "139"),
+    ("<answer>138; 139</answer>", "139"),
+    ("<answer>\\max(82,139)</answer>", "139"),  # in brackets a comma parts arguments
+    ("<answer>18 or 19</answer>", "19"),
+    ("<answer>139 (or maybe 140)</answer>", "139"),  # the old reading set the bracket aside
+    ("<answer>139 (140?)</answer>", "139"),
+    ("<answer>-50 (or maybe -49)</answer>", "-50"),  # a sign is no operation, no working
 ]
 # (completion, gold, why): the old single-value reader refused these; math-verify pays them,
 # reading the answer as LaTeX (which evaluates) and as plain text (which takes a number out of the
@@ -209,7 +262,6 @@ PAID_BY_MATH_VERIFY = [
     ("<answer>12 over x</answer>", "12", "a division by a variable, in words: the number is taken"),
     ("The answer is 12 or thirteen.", "12",
      "a choice with the second number in words: its one number in digits"),
-    ("<answer>18 or 19</answer>", "19", "a choice: the plain-text reading takes the last number"),
     ("The answer is 12 minus seven", "12", "an operation in words: the number is taken"),
     ("The answer: 12 is impossible", "12", "a negation: the number is taken"),
     ("<answer>maybe 18</answer>", "18", "a guess: the number is taken"),
@@ -252,24 +304,44 @@ def test_arithmetic_left_undone_is_not_paid_for_a_number(completion, gold):
     assert verify(gold_value, as_latex) or verify(gold_value, as_text), completion
 
 
+@pytest.mark.parametrize("completion,gold", HEDGES)
+def test_a_list_or_hedge_is_not_paid_for_a_number(completion, gold):
+    """math-verify alone pays each of these (or the value before the bracket the old reading set
+    aside): the value is refused for naming two numbers."""
+    from math_verify import parse, verify
+    answer = extract_answer(completion)
+    assert committed_value(answer) is None, answer
+    assert math_reward(completion, gold) == 0.0
+    gold_value = parse(f"\\boxed{{{gold}}}")
+    first = answer.split(" (")[0]
+    assert any(verify(gold_value, parse(text)) for text in (answer, f"\\boxed{{{answer}}}", first))
+
+
 def test_what_an_answer_commits_to():
-    """The chain's last side, a working in brackets after it aside; None for arithmetic left undone
-    or no number there."""
+    """Of the last line that names one number, the chain's last side, a working or a note in
+    brackets after it aside; None when no line names one number: arithmetic left undone, a list
+    or a hedge (two numbers or more), an unknown (none)."""
     nothing = ["82+57", "82 + 57", "3\\times 4", "3 \\cdot4", "2^{10}", "(3)(4) = 3*4", "-3 - 4",
                "82 + 57 = x", "= ?", "82 + 57 =", "2(69.5)", "(2)(69.5)", "3 \u00d7 \u22124",
                "278 \u00f7 2", "(82 + 57)", "x = (82 + 57)", "82 + 57 = (x)", "2 (69.5) dollars",
-               "69.5 2", "2\\,69.5", "12 13", "13900 \\times 10^{-2}"]
+               "69.5 2", "2\\,69.5", "12 13", "13900 \\times 10^{-2}", "2 (69.5)", "278:2",
+               "82+\\sqrt{3249}", "138, 139", "(138,139)", "\\max(82,139)", "18 or 19",
+               "139 (or maybe 140)", "139 \\approx", "x^2",
+               "82 + 57\n\nExplanation: I added 82 and 57."]
     for answer in nothing:
         assert committed_value(answer) is None, answer
-    numbers = ["139", "-5", "- 5", "3/4", "\\frac{3}{4}", "1,000", "18 m^2", "x^2", "18 dollars",
+    numbers = ["139", "-5", "- 5", "3/4", "\\frac{3}{4}", "1,000", "18 m^2", "18 dollars",
                "2x", "$18/day", "1.5 \\times 10^{6}", "10^{-3}", "\\$36", "(139)", "1\\frac{4}{5}",
-               "x >= 12", "(C) 18"]
+               "x >= 12", "(C) 18", "1,234,567", "1{,}000", "90^\\circ", "12, I think",
+               "138,139"]  # (math-verify reads 138139, a number: its digit groups)
     for answer in numbers:
         assert committed_value(answer) == answer, answer
     stated = {"82 + 57 = 139": "139", "82+57 \u2192 139": "139", "a \\Rightarrow 139": "139",
               "36 dollars (3 * 12)": "36 dollars", "The total is 139 (82+57).": "The total is 139",
-              "2 (69.5)": "2", "x = (139)": "(139)", "140 (82 + 57 = 139)": "140",
-              "1 000 000": "1000000"}
+              "x = (139)": "(139)", "140 (82 + 57 = 139)": "140",
+              "139 (rounded)": "139", "82.3 + 56.7 \\approx 139": "139", "82 + 57\n139": "139",
+              "139\n\nExplanation: I added 82 and 57.": "139", "139\n= 82 + 57": "139",
+              "139 (or 82 + 58)": "139"}  # (a limit: an alternative as arithmetic is a working)
     for answer, value in stated.items():
         assert committed_value(answer).strip() == value, answer
 
@@ -293,6 +365,9 @@ def test_extract_answer_priorities():
     assert extract_answer("work\n#### 42\nmore") == "42"
     assert extract_answer("no marker 42") is None
     assert extract_answer("\\boxed 5 and then {x}") == "5"
+    assert extract_answer("so $\\boxed 5$.") == "5"  # a bare box's word ends at a '$'
+    assert extract_answer("The final answer is $18$. I hope it is correct.") == "18"
+    assert extract_answer("Answer: $ 18 $\r\nmore") == "18"
     assert extract_answer("<answer> The answer is 18. </answer>") == "18"  # the tag's own anchor
     assert extract_answer("<answer>Janet makes $18.</answer>") == "Janet makes $18."
     assert extract_answer("<answer>1</answer> <answer>2") == "1"  # an unclosed tag is no answer
