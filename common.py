@@ -166,160 +166,37 @@ class HFEngine:
         """Nothing to push: it generates with the training model itself."""
 
 
-# 2. Reward: math-verify judges the final answer only (docs/grpo.md#reward).
-#    Skip on a first read: how the final answer is found (ANCHOR, last_boxed, final_answer,
-#    extract_answer) and the alarm that bounds math-verify's time (time_limit). math_reward is
-#    what matters.
-
-# 'final answer is', 'answer is', 'answer:'. No two quantifiers that can match the same spaces side
-# by side: such a pattern backtracks for long on a line of spaces, and no alarm stops a regex in C.
-ANCHOR = r"(?i)\b(?:final answer|answer)\s*(?:\*\*\s*)?(?:is\b|:)\s*(?:\*\*\s*)?:?\s*(?:\*\*)?"
-# a gold that is a number, so that only a number may match it: -1,234.5, .35, \$36, 3/4,
-# \frac{3}{4}, \frac43, 1\frac{4}{5}; not the pair -2,1, whose comma parts no digit groups
-NUMBER_GOLD = re.compile(r"(?=\D*\d)(?:\\\$)?-?(?:\d+(?:,\d{3})*)?(?:\.\d+)?"
-                         r"(?:/\d+|\s*\\[dt]?frac\s*(?:\d|\{\d+\})\s*(?:\d|\{\d+\}))?")
-# the last side of a chain is what an answer commits to: '82 + 57 = 139', '82+57 → 139',
-# '82 + 57 \Rightarrow 139', 'a => b', 'a -> b', 'a \to b', '\implies', '\longrightarrow', and a
-# rounding, '82.3 + 56.7 \approx 139' ('≈'); not the '=' of '<=', '>=', '!='
-COMMIT = re.compile(r"(?<![<>!])=>?|->|[→⇒⟹≈]"
-                    r"|\\(?:to|approx|implies|(?:[lL]ong)?[rR]ightarrow)(?![a-zA-Z])")
-# a bracket (one level nested) after a value (a number, then no '=' or arrow) and a space, and the
-# punctuation that ends the line, when it is a working (an operation in it, '+' or '-' after a
-# number or a bracket, not a sign: '36 dollars (3 * 12).', 'x = 243 (3 * (16.5 + 64.5))',
-# '230 (460/2)') or a note (no digit: '139 (rounded)'); not a second value ('139 (or maybe 140)',
-# '-50 (or maybe -49)', '139 (140?)'), nor '2(69.5)', with no space, a product, nor '= (139)',
-# with no value before it
-WORKING = re.compile(r"(\d[^()=→⇒]*?)\s\((?=.*?(?:[*/×÷·=^]|\\[dt]?frac|\\times|\\cdot|\\div"
-                     r"|[\d)]\s*[-+:])|\D*$)(?:[^()]|\([^()]*\))*\)[\s.,;]*$")
-# what is not part of a number's count: braces, LaTeX's spaces ('82\,+\,57' is '82+57'), '\frac'
-# (its terms one number: '1\frac{4}{5}' is 145), a unit's exponent ('m^{2}'; not a number's, a
-# power: '2^{10}'); brackets stay, since a number against a bracket is a product ('2(69.5)'), and
-# so does the space after a comma, which parts items ('138, 139' is no 138139)
-SPACING = re.compile(r"\\left|\\right|\\[dt]?frac|(?<![\d)\]])\^\{?-?\d+\}?|\\[,:;! ]|\\q?quad"
-                     r"|\\text\{\s*\}|~|(?<!,)\s|[{}$]")
-# scientific notation is one number: 1.5 \times 10^{6}, 10^{-3}; not 13900 \times 10^{-2}, whose
-# mantissa is no single digit
-SCIENTIFIC = re.compile(r"(?:(?<![\d.])\d(?:\.\d+)?(?:\\times|\\cdot|\*|×|·))?10\^-?\d+")
-# numbers side by side, which math-verify multiplies or adds: '69.5 2', '2 \quad 69.5', '82 57'
-APART = re.compile(r"(?<=\d)(?:\s|\\[,:;! ]|\\q?quad|~)+(?=\d)")
-# a number, with the parts of one that are no second number: a decimal point, digit groups (1,000;
-# not in a bracket, where a comma parts items, as math-verify reads '\max(82,139)' and
-# '(138,139)'), a fraction's slash (3/4, 170/2; not beside a decimal: '13.9/0.1' is two)
-NUMBER = re.compile(r"(?<=[(\[])\d+(?:\.\d+)?|\d+(?:,\d{3}(?!\d))*(?:\.\d+)?(?:/\d+)?")
-
-
-def last_boxed(text):
-    """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced; '\\boxed 5' gives '5'."""
-    found = list(re.finditer(r"\\(?:boxed|fbox)\s*(\{)?", text))
-    if not found:
-        return None
-    box = found[-1]
-    if not box.group(1):  # no brace: the word after it
-        return re.match(r"[^\s$]*", text[box.end():]).group(0) or None
-    depth = 0
-    for j in range(box.start(1), len(text)):
-        depth += (text[j] == "{") - (text[j] == "}")  # an opening brace +1, a closing one -1
-        if depth == 0:  # the brace that closes the box
-            return text[box.start(1) + 1:j].strip()
-    return None
-
-
-def final_answer(text):
-    """The last \\boxed{}, else the text after '####', else the anchored phrase's sentence,
-    or None."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
-    if "####" in text:  # the first line after the last '####'
-        return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
-    parts = re.split(ANCHOR, text)  # the text around each anchor
-    if len(parts) < 2:
-        return None
-    # the rest of the last anchor's line, and the next when it ends open ('82 + 57 =', an arrow)
-    line = re.split(r"(?<![=>→⇒⟹])\n", parts[-1], maxsplit=1)[0]
-    phrase = re.split(r"\.(?:\s|$)|\sI hope|\*\*", line, maxsplit=1)[0]  # to its sentence's end
-    return phrase.strip(" \t\r\n$").rstrip(".,;") or None
-
-
-def extract_answer(text):
-    """The last <answer>...</answer> (its final_answer, else all of it), else final_answer(text)."""
-    text = re.sub(r"(?i)<(/?)answer>", r"<\1answer>", text)  # '<Answer>' is the same tag
-    end = text.rfind("</answer>")  # str.rfind: a lazy regex would rescan from every unclosed tag
-    start = text.rfind("<answer>", 0, max(end, 0))
-    if start < 0:  # (so is end)
-        return final_answer(text)
-    tag = text[start + 8:].split("</answer>", 1)[0]  # (8: len("<answer>"))
-    return final_answer(tag) or tag.strip()
-
-
-def count_numbers(text):
-    """How many numbers `text` names; a value names one. Arithmetic left undone names two or more
-    ('82 + 57', '2(69.5)', '278 ÷ 2', '278:2', '82+\\sqrt{3249}', '2^{10}', '69.5 2'), and so does
-    a list, set, tuple or hedge ('138, 139', '\\{1000, 139\\}', '\\max(82,139)', '18 or 19'); an
-    unknown none ('x', '?', '\\square', 'x^2'). A sign (-5), digit groups (1,000), a fraction (3/4,
-    \\frac{3}{4}, 1\\frac{4}{5}), scientific notation (1.5 \\times 10^{6}) and a unit's exponent
-    (18 m^2) are parts of one number."""
-    return len(NUMBER.findall(SCIENTIFIC.sub("1", SPACING.sub("", APART.sub("*", text)))))
-
-
-def committed_value(answer):
-    """The value an answer commits to, for a gold that is a number: its last line that names one
-    number ('82 + 57\\n139' and '139\\nExplanation: I added 82 and 57.' are '139'), of that line
-    its chain's last side ('82+57 → 139' is '139'), less a working or a note in brackets after it
-    ('36 dollars (3 * 12)' is '36 dollars'); None when no line names one number
-    (`count_numbers`)."""
-    for line in reversed(answer.split("\n")):
-        value = COMMIT.split(WORKING.sub(r"\1", line))[-1]
-        if count_numbers(value) == 1:
-            return value
-    return None
+# 2. Reward: math-verify judges the final answer only (docs/grpo.md#reward). How the answer is
+#    found, the value it commits to, the alarm around math-verify and the tally of outcomes are
+#    Part III's (section 10); the user's reward() is called safely by section 16.
 
 
 def math_reward(completion, gold, timeout=5.0, counts=None):
-    """1.0 if math-verify finds the final answer (as LaTeX or as text) equal to `gold`, else 0.0."""
+    """1.0 if math-verify finds the completion's final answer (as LaTeX or as text) equal to
+    `gold`, else 0.0."""
     from math_verify import LatexExtractionConfig, parse, verify  # (slow to import: on first use)
-    if counts is None:  # score's tally, when score calls it (else a count nobody reads)
-        counts = TALLY.get()
-    if counts is None:
-        counts = collections.Counter()
-    answer = isinstance(completion, str) and extract_answer(completion)
-    if not answer or len(answer) > 1000:  # longer is no final answer, and slow to parse
-        counts["no_answer"] += 1
+    counts = reward_tally(counts)  # its outcomes: no answer, a timeout, an error
+    # the final answer; for a number gold, the one number it commits to ('82 + 57', the question
+    # copied, or '138, 139', a hedge, commit to none: scored 0)
+    answer = committed_answer(completion, gold, counts)
+    if answer is None:
         return 0.0
-    # no part of the value: LaTeX's thin space or a space between digit groups (1\,000, 1 000),
-    # which math-verify would read as 1 * 000, and markdown's code marks ('`139`')
-    answer = re.sub(r"(?<=\d)(?:\\,| )(?=\d{3}(?!\d))|`", "", answer)
-    # a number is matched by the number the answer commits to, and math-verify judges that alone:
-    # '82 + 57' (the question copied) or '82 + 57 = x' is not paid for 139, nor '35 dollars
-    # (3 * 12)' for 36, though math-verify would pay each (docs/grpo.md#reward)
-    if NUMBER_GOLD.fullmatch(str(gold).strip()):
-        answer = committed_value(answer)
-        if not answer:
-            return 0.0
     latex = [LatexExtractionConfig(boxed_match_priority=0)]
-    try:
-        with time_limit(timeout):  # math-verify's own alarms off: one timer, ours
-            gold_value = parse(f"\\boxed{{{gold}}}", latex, parsing_timeout=None)
-            if not gold_value:
-                return 0.0
-            as_latex = parse(f"\\boxed{{{answer}}}", latex, parsing_timeout=None)
-            if verify(gold_value, as_latex, timeout_seconds=None):  # gold first: not symmetric
-                return 1.0
-            # the slower reading, which finds a number in words
-            as_text = parse(answer, parsing_timeout=None)
-            return float(verify(gold_value, as_text, timeout_seconds=None))
-    except VerifyTimeout:
-        counts["timeout"] += 1
-    except Exception:
-        counts["error"] += 1
+    with verify_limits(timeout, counts):  # one alarm, ours; a timeout or an error scores 0
+        gold_value = parse(f"\\boxed{{{gold}}}", latex, parsing_timeout=None)
+        if not gold_value:
+            return 0.0
+        as_latex = parse(f"\\boxed{{{answer}}}", latex, parsing_timeout=None)
+        if verify(gold_value, as_latex, timeout_seconds=None):  # gold first: not symmetric
+            return 1.0
+        # the slower reading, which finds a number in words
+        as_text = parse(answer, parsing_timeout=None)
+        return float(verify(gold_value, as_text, timeout_seconds=None))
     return 0.0
 
 
 REWARD_BUDGET_S = 120.0  # a step's scoring time; math-verify's slowest answers take 5 s each
 REWARD_TIMEOUT_S = 10.0  # one reward() call's time (--reward_timeout): math_reward's is 5 s
-# score's tally of outcomes (no answer, timeout, error) while it runs: math_reward adds to it,
-# however deep a script's reward() calls it. A ContextVar, so that each thread tallies on its own
-TALLY = contextvars.ContextVar("tally", default=None)
 
 
 def score(texts, rows, reward, timeout=REWARD_TIMEOUT_S, budget=REWARD_BUDGET_S, where="rollout"):
@@ -331,13 +208,10 @@ def score(texts, rows, reward, timeout=REWARD_TIMEOUT_S, budget=REWARD_BUDGET_S,
     counts = collections.Counter()
     rewards = []
     deadline = time.perf_counter() + budget
-    token = TALLY.set(counts)  # math_reward's outcomes land in counts
-    try:
+    with tallying(counts):  # math_reward's outcomes land in counts, however deep reward() calls it
         for i, (text, row) in enumerate(zip(texts, rows)):
             seconds = min(timeout, deadline - time.perf_counter())  # this call's, at most
             rewards.append(call_reward(reward, text, row, f"{where} row {i}", seconds, counts))
-    finally:
-        TALLY.reset(token)
     return rewards, counts
 
 
@@ -1020,6 +894,167 @@ def engine_weights(model, dtype):
             layer = layers[name.removesuffix(".base_layer.weight")]
             tensor = tensor + layer.get_delta_weight("default")
         yield name.replace(".base_layer.", "."), tensor.to(dtype)
+
+
+# How math_reward finds the final answer and the value it commits to (docs/grpo.md#reward)
+
+# 'final answer is', 'answer is', 'answer:'. No two quantifiers that can match the same spaces side
+# by side: such a pattern backtracks for long on a line of spaces, and no alarm stops a regex in C.
+ANCHOR = r"(?i)\b(?:final answer|answer)\s*(?:\*\*\s*)?(?:is\b|:)\s*(?:\*\*\s*)?:?\s*(?:\*\*)?"
+# a gold that is a number, so that only a number may match it: -1,234.5, .35, \$36, 3/4,
+# \frac{3}{4}, \frac43, 1\frac{4}{5}; not the pair -2,1, whose comma parts no digit groups
+NUMBER_GOLD = re.compile(r"(?=\D*\d)(?:\\\$)?-?(?:\d+(?:,\d{3})*)?(?:\.\d+)?"
+                         r"(?:/\d+|\s*\\[dt]?frac\s*(?:\d|\{\d+\})\s*(?:\d|\{\d+\}))?")
+# the last side of a chain is what an answer commits to: '82 + 57 = 139', '82+57 → 139',
+# '82 + 57 \Rightarrow 139', 'a => b', 'a -> b', 'a \to b', '\implies', '\longrightarrow', and a
+# rounding, '82.3 + 56.7 \approx 139' ('≈'); not the '=' of '<=', '>=', '!='
+COMMIT = re.compile(r"(?<![<>!])=>?|->|[→⇒⟹≈]"
+                    r"|\\(?:to|approx|implies|(?:[lL]ong)?[rR]ightarrow)(?![a-zA-Z])")
+# a bracket (one level nested) after a value (a number, then no '=' or arrow) and a space, and the
+# punctuation that ends the line, when it is a working (an operation in it, '+' or '-' after a
+# number or a bracket, not a sign: '36 dollars (3 * 12).', 'x = 243 (3 * (16.5 + 64.5))',
+# '230 (460/2)') or a note (no digit: '139 (rounded)'); not a second value ('139 (or maybe 140)',
+# '-50 (or maybe -49)', '139 (140?)'), nor '2(69.5)', with no space, a product, nor '= (139)',
+# with no value before it
+WORKING = re.compile(r"(\d[^()=→⇒]*?)\s\((?=.*?(?:[*/×÷·=^]|\\[dt]?frac|\\times|\\cdot|\\div"
+                     r"|[\d)]\s*[-+:])|\D*$)(?:[^()]|\([^()]*\))*\)[\s.,;]*$")
+# what is not part of a number's count: braces, LaTeX's spaces ('82\,+\,57' is '82+57'), '\frac'
+# (its terms one number: '1\frac{4}{5}' is 145), a unit's exponent ('m^{2}'; not a number's, a
+# power: '2^{10}'); brackets stay, since a number against a bracket is a product ('2(69.5)'), and
+# so does the space after a comma, which parts items ('138, 139' is no 138139)
+SPACING = re.compile(r"\\left|\\right|\\[dt]?frac|(?<![\d)\]])\^\{?-?\d+\}?|\\[,:;! ]|\\q?quad"
+                     r"|\\text\{\s*\}|~|(?<!,)\s|[{}$]")
+# scientific notation is one number: 1.5 \times 10^{6}, 10^{-3}; not 13900 \times 10^{-2}, whose
+# mantissa is no single digit
+SCIENTIFIC = re.compile(r"(?:(?<![\d.])\d(?:\.\d+)?(?:\\times|\\cdot|\*|×|·))?10\^-?\d+")
+# numbers side by side, which math-verify multiplies or adds: '69.5 2', '2 \quad 69.5', '82 57'
+APART = re.compile(r"(?<=\d)(?:\s|\\[,:;! ]|\\q?quad|~)+(?=\d)")
+# a number, with the parts of one that are no second number: a decimal point, digit groups (1,000;
+# not in a bracket, where a comma parts items, as math-verify reads '\max(82,139)' and
+# '(138,139)'), a fraction's slash (3/4, 170/2; not beside a decimal: '13.9/0.1' is two)
+NUMBER = re.compile(r"(?<=[(\[])\d+(?:\.\d+)?|\d+(?:,\d{3}(?!\d))*(?:\.\d+)?(?:/\d+)?")
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced; '\\boxed 5' gives '5'."""
+    found = list(re.finditer(r"\\(?:boxed|fbox)\s*(\{)?", text))
+    if not found:
+        return None
+    box = found[-1]
+    if not box.group(1):  # no brace: the word after it
+        return re.match(r"[^\s$]*", text[box.end():]).group(0) or None
+    depth = 0
+    for j in range(box.start(1), len(text)):
+        depth += (text[j] == "{") - (text[j] == "}")  # an opening brace +1, a closing one -1
+        if depth == 0:  # the brace that closes the box
+            return text[box.start(1) + 1:j].strip()
+    return None
+
+
+def final_answer(text):
+    """The last \\boxed{}, else the text after '####', else the anchored phrase's sentence,
+    or None."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:  # the first line after the last '####'
+        return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
+    parts = re.split(ANCHOR, text)  # the text around each anchor
+    if len(parts) < 2:
+        return None
+    # the rest of the last anchor's line, and the next when it ends open ('82 + 57 =', an arrow)
+    line = re.split(r"(?<![=>→⇒⟹])\n", parts[-1], maxsplit=1)[0]
+    phrase = re.split(r"\.(?:\s|$)|\sI hope|\*\*", line, maxsplit=1)[0]  # to its sentence's end
+    return phrase.strip(" \t\r\n$").rstrip(".,;") or None
+
+
+def extract_answer(text):
+    """The last <answer>...</answer> (its final_answer, else all of it), else final_answer(text)."""
+    text = re.sub(r"(?i)<(/?)answer>", r"<\1answer>", text)  # '<Answer>' is the same tag
+    end = text.rfind("</answer>")  # str.rfind: a lazy regex would rescan from every unclosed tag
+    start = text.rfind("<answer>", 0, max(end, 0))
+    if start < 0:  # (so is end)
+        return final_answer(text)
+    tag = text[start + 8:].split("</answer>", 1)[0]  # (8: len("<answer>"))
+    return final_answer(tag) or tag.strip()
+
+
+def count_numbers(text):
+    """How many numbers `text` names; a value names one. Arithmetic left undone names two or more
+    ('82 + 57', '2(69.5)', '278 ÷ 2', '278:2', '82+\\sqrt{3249}', '2^{10}', '69.5 2'), and so does
+    a list, set, tuple or hedge ('138, 139', '\\{1000, 139\\}', '\\max(82,139)', '18 or 19'); an
+    unknown none ('x', '?', '\\square', 'x^2'). A sign (-5), digit groups (1,000), a fraction (3/4,
+    \\frac{3}{4}, 1\\frac{4}{5}), scientific notation (1.5 \\times 10^{6}) and a unit's exponent
+    (18 m^2) are parts of one number."""
+    return len(NUMBER.findall(SCIENTIFIC.sub("1", SPACING.sub("", APART.sub("*", text)))))
+
+
+def committed_value(answer):
+    """The value an answer commits to, for a gold that is a number: its last line that names one
+    number ('82 + 57\\n139' and '139\\nExplanation: I added 82 and 57.' are '139'), of that line
+    its chain's last side ('82+57 → 139' is '139'), less a working or a note in brackets after it
+    ('36 dollars (3 * 12)' is '36 dollars'); None when no line names one number
+    (`count_numbers`)."""
+    for line in reversed(answer.split("\n")):
+        value = COMMIT.split(WORKING.sub(r"\1", line))[-1]
+        if count_numbers(value) == 1:
+            return value
+    return None
+
+
+def committed_answer(completion, gold, counts):
+    """The final answer of `completion` as math-verify should judge it against `gold`, or None
+    (scored 0): none found, or over 1,000 characters (counted "no_answer"); for a number gold, the
+    value it commits to (committed_value), None when it names no single number."""
+    answer = isinstance(completion, str) and extract_answer(completion)
+    if not answer or len(answer) > 1000:  # longer is no final answer, and slow to parse
+        counts["no_answer"] += 1
+        return None
+    # no part of the value: LaTeX's thin space or a space between digit groups (1\,000, 1 000),
+    # which math-verify would read as 1 * 000, and markdown's code marks ('`139`')
+    answer = re.sub(r"(?<=\d)(?:\\,| )(?=\d{3}(?!\d))|`", "", answer)
+    # a number is matched by the number the answer commits to, and math-verify judges that alone:
+    # '82 + 57' (the question copied) or '82 + 57 = x' is not paid for 139, nor '35 dollars
+    # (3 * 12)' for 36, though math-verify would pay each (docs/grpo.md#reward)
+    if NUMBER_GOLD.fullmatch(str(gold).strip()):
+        return committed_value(answer) or None
+    return answer
+
+
+@contextlib.contextmanager
+def verify_limits(timeout, counts):
+    """math-verify's calls within `timeout` seconds (its own alarms off: one timer, ours): past
+    them, or on an error, the block stops and is tallied as "timeout" or "error"."""
+    try:
+        with time_limit(timeout):
+            yield
+    except VerifyTimeout:
+        counts["timeout"] += 1
+    except Exception:
+        counts["error"] += 1
+
+
+# score's tally of outcomes (no answer, timeout, error) while it runs: math_reward adds to it,
+# however deep a script's reward() calls it. A ContextVar, so that each thread tallies on its own
+TALLY = contextvars.ContextVar("tally", default=None)
+
+
+@contextlib.contextmanager
+def tallying(counts):
+    """Within it, math_reward's outcomes land in `counts` (reward_tally)."""
+    token = TALLY.set(counts)
+    try:
+        yield
+    finally:
+        TALLY.reset(token)
+
+
+def reward_tally(counts):
+    """The Counter math_reward adds its outcomes to: `counts`, else score's (tallying), else one
+    that nobody reads."""
+    if counts is None:
+        counts = TALLY.get()
+    return collections.Counter() if counts is None else counts
 
 
 def read_mean_std(rewards, ddof):

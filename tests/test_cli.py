@@ -87,9 +87,9 @@ def bad_jsonl(tmp_path):
     (["--reward_timeout", "1e9"], "--reward_timeout must be in (0, 3600]"),
     (["--dataset", "{tmp}/one.jsonl"], "--dataset '{tmp}/one.jsonl': 1 row, too few to hold one "
                                        "out for testing"),
-    (["--dataset", "{tmp}/nan.jsonl"], "nan.jsonl: row 2 needs a 'question' (or 'problem') and "
-                                       "an 'answer' (a string or a finite number"),
-    (["--dataset", "{tmp}/true.jsonl"], "true.jsonl: row 1 needs a 'question'"),
+    (["--dataset", "{tmp}/nan.jsonl"], "nan.jsonl: row 2's 'answer' must be a string or a finite "
+                                       "number"),
+    (["--dataset", "{tmp}/true.jsonl"], "true.jsonl: row 1's 'answer' must be"),
     (["--out", "/proc/no_run_here"], "--out '/proc/no_run_here' cannot be written"),
     (["--eps_low", "1"], "--eps_low must be in [0, 1)"),
     (["--tis_cap", "0.5"], "--tis_cap must be 0 (off) or at least 1"),

@@ -49,6 +49,18 @@ def test_common_part_one_is_within_its_budget_at_ten_tokens_a_line():
     assert tokens / lines <= 10, f"Part I: {tokens / lines:.1f} code tokens a line, at most 10"
 
 
+def test_common_part_one_is_a_short_read_with_the_loss_early():
+    """Part I is the GRPO step a newcomer reads (issue 57): at most 350 non-blank lines from its
+    heading to Part II's, token_loss defined within the first 200 of them."""
+    lines = source("common.py").splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("# Part I."))
+    second = next(i for i, line in enumerate(lines) if line.startswith("# Part II."))
+    part = [line for line in lines[first:second] if line.strip()]
+    loss = next(k for k, line in enumerate(part) if line.startswith("def token_loss("))
+    assert len(part) <= 350, f"Part I: {len(part)} non-blank lines, at most 350"
+    assert loss < 200, f"token_loss at Part I's non-blank line {loss + 1}, within 200"
+
+
 def test_code_tokens_ignore_comments_docstrings_and_layout():
     dense = "x = f(a, b)  # a comment\n"
     spread = '"""A docstring."""\n# a comment line\nx = f(\n    a,\n    b\n)\n'
