@@ -16,7 +16,11 @@ sys.path.insert(0, os.path.join(REPO, "docs"))
 from code_tokens import sections, size  # noqa: E402
 
 BUDGETS = {  # file -> most code tokens
-    "common.py": 11_000,
+    # common.py's aim is 10,500 (issue 57, open). It was 11,000 until the packed step became exact
+    # on sliding windows and attention sinks with a start-up check (issue 55) and the user's reward
+    # and prompt were called safely (issue 56): about 2,300 tokens of hardening that 57 has not
+    # yet paid back. This bound stops it growing further.
+    "common.py": 13_500,
     "grpo.py": 1_300,
     "two_grpo.py": 2_600,
     "cppo.py": 2_600,
