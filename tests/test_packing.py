@@ -258,6 +258,24 @@ def test_eager_runs_gpt_oss_one_sequence_a_forward(arch_dir):
     torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-6)
 
 
+def test_grpo_trains_a_gpt_oss_with_attn_eager_and_says_how(arch_dir, tiny, tmp_path, main_of):
+    """`python grpo.py --attn eager` on a tiny gpt-oss (sinks, a sliding window, experts): the
+    start-up check finds its masks blind to a packed row, says that each sequence runs in a
+    forward of its own, and the run trains a step. With the default --attn varlen it trains
+    packed, the check's error printed."""
+    folder = tmp_path / "gpt_oss"
+    shutil.copytree(arch_dir("gpt_oss"), folder)
+    tiny[1].save_pretrained(folder)  # the test tokenizer: the model's rows past it are padding
+    command = ["--model", str(folder), "--rollout", "hf", "--steps", "1", "--prompts_per_step",
+               "2", "--group_size", "2", "--eval_n", "2", "--max_tokens", "12"]
+    for attn, said in (("eager", "runs each sequence of GptOssForCausalLM in a forward of its own"),
+                       ("varlen", "packed, against each alone through GptOssForCausalLM's own")):
+        result = main_of("grpo", command + ["--attn", attn, "--out", str(tmp_path / attn)])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert said in result.stdout, result.stdout[-2000:]
+        assert "done: test accuracy" in result.stdout
+
+
 @pytest.mark.parametrize("attn", ["varlen", "eager"])
 def test_a_model_with_other_token_mixers_is_refused_by_varlen_and_run_alone_by_eager(tmp_path,
                                                                                     attn):
