@@ -262,6 +262,24 @@ def logprobs_and_grads(model, samples, passes):
     return logps, {n: g.float().cpu() for n, g in opt.grads.items()}
 
 
+def fp32_reference(model, samples, vocab):
+    """The reference: fp32, no autocast, each sequence alone through the model's forward. (Log-probs
+    [|o_i|] per sample on the CPU, and the gradient of -sum_i c_i A_i sum_t log p_it.)"""
+    want_logps, loss = [], 0
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.completion_ids], device="cuda")
+        p, n = len(s.prompt_ids), len(s.completion_ids)
+        logits = model(input_ids=ids).logits[0, p - 1:p + n - 1, :vocab].float()
+        lp = logits.log_softmax(-1).gather(1, ids[0, p:, None])[:, 0]  # [n]
+        want_logps.append(lp.detach().cpu())
+        loss = loss - s.coef * s.advantage * lp.sum()
+    model.zero_grad()
+    loss.backward()
+    grads = {n: p.grad.float().cpu() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return want_logps, grads
+
+
 def errors(got, want):
     """(max |log-prob error| in nats, |grad error| / |grad| over all the parameters: 2-norms)."""
     logp = max((g - w).abs().max().item() for g, w in zip(got[0], want[0]))
@@ -289,19 +307,7 @@ def test_the_flash_path_on_the_real_kernel(tmp_path, monkeypatch, kernel, shared
     vocab = len(load_tokenizer(folder))  # the embedding is padded past it
     samples = group_samples(vocab, seed=2)
     passes = Passes(1.0, vocab, budget, 7, shared=shared)
-    # the reference: fp32, no autocast, each sequence alone (sdpa, causal)
-    want_logps, loss = [], 0
-    for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.completion_ids], device="cuda")
-        p, n = len(s.prompt_ids), len(s.completion_ids)
-        logits = model(input_ids=ids).logits[0, p - 1:p + n - 1, :vocab].float()
-        lp = logits.log_softmax(-1).gather(1, ids[0, p:, None])[:, 0]  # [n]
-        want_logps.append(lp.detach().cpu())
-        loss = loss - s.coef * s.advantage * lp.sum()
-    model.zero_grad()
-    loss.backward()
-    want = (want_logps, {n: p.grad.float().cpu() for n, p in model.named_parameters()})
-    model.zero_grad()
+    want = fp32_reference(model, samples, vocab)  # sdpa, causal
     monkeypatch.setattr(common, "varlen_attn", counted(real) if kernel == "enable_gqa"
                         else real_kernel_without_enable_gqa(real))
     CALLS.clear()
@@ -329,19 +335,8 @@ def test_the_zoo_on_the_gpu(arch_dir, arch, shared):
     model = load_model(arch_dir(arch), torch.device("cuda"))
     samples = group_samples(TINY_VOCAB, seed=3)
     passes = Passes(1.0, TINY_VOCAB, 4096, 7, shared=shared)
-    want_logps, loss = [], 0
-    for s in samples:  # the reference: fp32, each sequence alone, the model's eager attention
-        model.set_attn_implementation("eager")
-        ids = torch.tensor([s.prompt_ids + s.completion_ids], device="cuda")
-        p, n = len(s.prompt_ids), len(s.completion_ids)
-        logits = model(input_ids=ids).logits[0, p - 1:p + n - 1, :TINY_VOCAB].float()
-        lp = logits.log_softmax(-1).gather(1, ids[0, p:, None])[:, 0]  # [n]
-        want_logps.append(lp.detach().cpu())
-        loss = loss - s.coef * s.advantage * lp.sum()
-    model.zero_grad()
-    loss.backward()
-    want = (want_logps, {n: p.grad.float().cpu() for n, p in model.named_parameters()})
-    model.zero_grad()
+    model.set_attn_implementation("eager")  # the reference: the model's own attention
+    want = fp32_reference(model, samples, TINY_VOCAB)
     with torch.no_grad():
         _, noise = eager_logprobs(model.eval(), samples, TINY_VOCAB)
     model.set_attn_implementation("varlen")
