@@ -875,7 +875,7 @@ def neutral_generation_config(model, tokenizer, vocab_size, stop_ids, temperatur
 
 
 @torch.no_grad()
-def engine_weights(model, dtype):
+def engine_weights(model, dtype=torch.float32):
     """(name, tensor in `dtype`) pairs as a checkpoint names them. With LoRA: the base model's
     names, each wrapped layer's weight with its adapter merged in (W + alpha / r B A), not the
     adapter itself."""

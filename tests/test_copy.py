@@ -59,7 +59,11 @@ def test_a_method_runs_from_two_copied_files(method, tmp_path, tiny_dir):
 
 
 # One's own task: the marked reward() replaced, nothing else of the copied script touched
-OWN_REWARD = '''def reward(completion, row):
+OWN_REWARD = '''import json  # one's own imports, in the marked block
+import os
+
+
+def reward(completion, row):
     """Reads a column of one's own: the row's bonus, times the completion's length mod 3, / 2."""
     value = row["bonus"] * (len(completion) % 3) / 2
     with open(os.environ["REWARD_LOG"], "a") as f:  # each call, for the test to read back
@@ -75,7 +79,7 @@ def replace_reward(source):
     marker = source.index("# YOUR TASK")
     start = source.index("def reward(completion, row):", marker)
     end = source.index("def prompt(", start)
-    return "import json\n" + source[:start] + OWN_REWARD + source[end:]
+    return source[:start] + OWN_REWARD + source[end:]
 
 
 @pytest.mark.parametrize("method", METHODS)
