@@ -2126,7 +2126,8 @@ def call_prompt(prompt, row, template, where):
 def user_error(name, fn, where, row, what, tb=None):
     """die() naming the user's function, its line an exception's traceback `tb` left from (else its
     first line), what went wrong, and the row: `where` it is, its first 80 characters."""
-    code = fn.__code__
+    fn = getattr(fn, "func", fn)  # a functools.partial's function
+    code = getattr(fn, "__code__", None) or fn.__call__.__code__  # a function, or a callable object
     lines = [f.lineno for f in traceback.extract_tb(tb) if f.filename == code.co_filename]
     line = (lines or [code.co_firstlineno])[-1]
     columns = str({k: v for k, v in row.items() if k != "prompt_ids"})  # (prompt_ids: ours)

@@ -227,6 +227,25 @@ def refused_reward(capsys, returns):
     return err[0], reward.__code__.co_firstlineno
 
 
+def test_a_partial_or_a_callable_object_as_reward_is_named_too(capsys):
+    """A reward made with functools.partial, or an object with a __call__, that returns no number:
+    the same one line, naming the file and line of the function behind it."""
+    import functools
+
+    def scaled(text, row, factor):
+        return None
+
+    class Reward:
+        def __call__(self, text, row):
+            return None
+    for fn, first in ((functools.partial(scaled, factor=2), scaled.__code__.co_firstlineno),
+                      (Reward(), Reward.__call__.__code__.co_firstlineno)):
+        with pytest.raises(SystemExit):
+            common.score(["a"], [ROW], fn)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"(test_run_files.py:{first}), on rollout row 0" in err[0], err
+
+
 @pytest.mark.parametrize("returns,shown", [
     (lambda: None, "None"), (lambda: math.nan, "nan"), (lambda: math.inf, "inf"),
     (lambda: "1", "'1'"), (lambda: True, "True"), (lambda: torch.tensor([1.0, 0.0]),
