@@ -523,7 +523,6 @@ PACKED_ROW = contextvars.ContextVar("packed_row", default=None)
 # What varlen_mask hands a layer instead of a [T, T] mask: the row's position ids (None: the
 # layer's own position_ids argument) and the layer's sliding window (None: full attention)
 Packed = collections.namedtuple("Packed", "position_ids window", defaults=(None, None))
-PACKED = Packed()
 BUCKET_RATIO = 0.8  # a sequence joins a bucket whose longest is at most 1.25x its length
 
 

@@ -17,7 +17,7 @@ from conftest import (_BASE, ARCH_CONFIGS, POST_HEAD, TINY_VOCAB, WINDOW, WINDOW
                       RecordingOptimizer, assert_grads_close, build_arch, make_samples)
 
 import common
-from common import (PACKED, Passes, Sample, check_packing, chunked_logprobs, first_slots,
+from common import (Packed, Passes, Sample, check_packing, chunked_logprobs, first_slots,
                     flash_attention, flash_layout, load_model, make_optimizer, pack_microbatches,
                     packed_inputs, packed_logprobs, packed_row, policy_update, seq_layout,
                     sequence_logprobs, shared_mask, sink_attention, token_coefficients,
@@ -483,7 +483,7 @@ def test_flash_attention_equals_the_bucketed_sdpa(monkeypatch, shared, window):
     w = torch.randn(1, T, 4, 32, generator=gen)
     got = flash_attention(q, k, v, pos, 0.3, window)  # [1, T, Hq, d]
     got_grads = torch.autograd.grad((got * w).sum(), (q, k, v))
-    want = varlen_attention(None, q, k, v, PACKED._replace(window=window), scaling=0.3,
+    want = varlen_attention(None, q, k, v, Packed(window=window), scaling=0.3,
                             position_ids=pos)[0]
     want_grads = torch.autograd.grad((want * w).sum(), (q, k, v))
     assert got.shape == want.shape == (1, T, 4, 32)
