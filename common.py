@@ -485,24 +485,22 @@ def pack_microbatches(samples, token_budget, shared=False):
     order = range(len(samples))
     if shared:  # a prompt's samples side by side
         order = sorted(order, key=lambda i: samples[i].prompt_ids)
-    units = []  # {"tokens", "samples"}: one sample, or (shared) a run of samples after one prompt
+    # {"tokens", "samples", "prompt"}: one sample, or (shared) a run of samples after one prompt
+    units = []
     for i in order:
         prompt = samples[i].prompt_ids
         length = len(samples[i].completion_ids)
         last = units[-1] if units else None
-        same_prompt = False
-        if shared and last is not None:
-            same_prompt = samples[last["samples"][0]].prompt_ids == prompt
-        if same_prompt and last["tokens"] + length <= token_budget:
-            last["tokens"] += length  # its prompt is already counted
+        # (shared) the last unit's prompt again, and room for it: its prompt is already counted
+        if shared and last and last["prompt"] == prompt and last["tokens"] + length <= token_budget:
+            last["tokens"] += length
             last["samples"].append(i)
         else:
-            units.append({"tokens": len(prompt) + length, "samples": [i]})
+            units.append({"tokens": len(prompt) + length, "samples": [i], "prompt": prompt})
     # first-fit decreasing: each unit, largest first, into the first bin with room
     bins = []  # {"tokens", "samples"}
     for unit in sorted(units, key=lambda u: -u["tokens"]):  # a stable sort: ties keep their order
-        room = [b for b in bins if b["tokens"] + unit["tokens"] <= token_budget]
-        fit = room[0] if room else None
+        fit = next((b for b in bins if b["tokens"] + unit["tokens"] <= token_budget), None)
         if fit is None:
             fit = {"tokens": 0, "samples": []}
             bins.append(fit)
@@ -548,7 +546,7 @@ def row_sequences(position_ids):
     positions do not go on by one; one starting at p > 0 follows a shared prompt: its keys are the
     first p rows of the last sequence that started at 0, then its own."""
     pos = position_ids[0].tolist()
-    starts = [t for t in range(len(pos)) if t == 0 or pos[t] != pos[t - 1] + 1]
+    starts = [t for t, p in enumerate(pos) if t == 0 or p != pos[t - 1] + 1]
     starts.append(len(pos))  # the end of the last sequence
     seqs = []
     root = 0  # where the last sequence starting at position 0 (a prompt) starts
@@ -591,7 +589,7 @@ def seq_layout(position_ids, window=None):
         keys       0 1 2 3 4 | 5 6 7 8 8      queries  the same     scatter  0 1 2 3 4 5 6 7 8
     """
     starts, seqs = row_sequences(position_ids)
-    device = position_ids.device
+    tensor = functools.partial(torch.tensor, device=position_ids.device)
     n_queries = np.diff(starts).tolist()  # each sequence's own rows: its queries
     n_keys = [len(s) for s in seqs]  # its keys: more than its own rows after a shared prompt
     shared = [q < k for q, k in zip(n_queries, n_keys)]
@@ -611,21 +609,17 @@ def seq_layout(position_ids, window=None):
         query_len = max(n_queries[i] for i in group)
         for i in group:
             last = seqs[i][-1]  # the padding
-            own_rows = seqs[i][n_keys[i] - n_queries[i]:]  # its queries: its own rows only
+            own_rows = seqs[i][-n_queries[i]:]  # its queries: its own rows only (one or more)
             keys += seqs[i] + [last] * (key_len - n_keys[i])
-            queries += own_rows + [last] * (query_len - len(own_rows))
+            queries += own_rows + [last] * (query_len - n_queries[i])
         mask = None  # square within the window: sdpa's causal flag
         if shared[group[0]] or (window and key_len > window):
             keys_before = [n_keys[i] - n_queries[i] for i in group]  # each one's prompt rows
             own = [n_queries[i] for i in group]
-            mask = shared_mask(keys_before, own, query_len, key_len, window)
-            mask = torch.tensor(mask, device=device)
+            mask = tensor(shared_mask(keys_before, own, query_len, key_len, window))
         buckets.append(Bucket(len(group), key_len, query_len, mask))
     scatter = first_slots(queries)
-    keys = torch.tensor(keys, device=device)  # [Rk]
-    queries = torch.tensor(queries, device=device)  # [Rq]
-    scatter = torch.tensor(scatter, device=device)  # [T]
-    return buckets, keys, queries, scatter
+    return buckets, tensor(keys), tensor(queries), tensor(scatter)  # [Rk], [Rq], [T]
 
 
 def shared_mask(keys_before, own, query_len, key_len, window=None):
@@ -654,8 +648,7 @@ def shared_mask(keys_before, own, query_len, key_len, window=None):
 def first_slots(queries):
     """scatter [T]: for each row t = 0 .. T-1 the first query slot that holds it (a later one is
     padding, which repeats a row already placed). queries [0, 1, 2, 2, 3] gives [0, 1, 2, 4]."""
-    rows, slots = np.unique(queries, return_index=True)  # the rows in order, the first slot of each
-    return slots
+    return np.unique(queries, return_index=True)[1]  # (the rows in order,) the first slot of each
 
 
 def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, local_size=None, **kwargs):
@@ -718,9 +711,10 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             o = torch.nn.functional.scaled_dot_product_attention(  # [count, Hq, query_len, d]
                 bq, bk, bv, attn_mask=bucket.mask, dropout_p=dropout,
                 is_causal=bucket.mask is None, scale=scaling, enable_gqa=True)
+            o = o.transpose(1, 2)  # [count, query_len, Hq, d]
         else:
-            o = sink_attention(bq, bk, bv, bucket.mask, sinks, dropout, scaling).transpose(1, 2)
-        out.append(o.transpose(1, 2).flatten(0, 1))  # [count query_len, Hq, d]
+            o = sink_attention(bq, bk, bv, bucket.mask, sinks, dropout, scaling)  # the same
+        out.append(o.flatten(0, 1))  # [count query_len, Hq, d]
         q_start = q_end
         k_start = k_end
     return torch.cat(out).index_select(0, scatter)[None], None  # [1, T, Hq, d]
@@ -734,8 +728,8 @@ def check_unpacked(module, query, attention_mask, position_ids):
         return
     if attention_mask is not None and attention_mask.shape[-1] != query.shape[2]:
         return  # a cache: keys past the queries
-    restarts = (position_ids[0, 1:] != position_ids[0, :-1] + 1).any()
-    if restarts.item():
+    restarts = (position_ids[0].diff() != 1).any()
+    if restarts:
         raise RuntimeError(f"a packed row (position ids that restart inside it) reached "
                            f"{type(module).__name__}'s attention without the packed layout: its "
                            "sequences would attend to each other. Run it inside "
@@ -752,13 +746,13 @@ def sink_attention(query, key, value, mask, sinks, dropout, scaling):
     k_len = key.shape[2]
     if mask is None:  # causal, aligned at the bottom right (a cache's keys come first)
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
-    bias = bias.masked_fill(~mask, -math.inf).expand(batch, heads, q_len, k_len)  # [B, Hq, q, k]
+    bias = query.new_zeros(mask.shape).masked_fill(~mask, -math.inf)  # query's dtype and device
+    bias = bias.expand(batch, heads, q_len, k_len)  # [B, Hq, q, k]
     sink = sinks.to(query.dtype)[None, :, None, None].expand(batch, heads, q_len, 1)  # [B,Hq,q,1]
     bias = torch.cat([bias, sink], dim=-1)  # [B, Hq, q, k + 1]
-    zero = key.new_zeros(batch, key.shape[1], 1, key.shape[3])  # [B, Hkv, 1, d]
-    key = torch.cat([key, zero], dim=2)  # [B, Hkv, k + 1, d]
-    value = torch.cat([value, zero], dim=2)  # [B, Hkv, k + 1, d]
+    # the sink's key and value: one more row of zeros (pad's (0, 0, 0, 1): d by none, k by one)
+    key = torch.nn.functional.pad(key, (0, 0, 0, 1))  # [B, Hkv, k + 1, d]
+    value = torch.nn.functional.pad(value, (0, 0, 0, 1))  # [B, Hkv, k + 1, d]
     out = torch.nn.functional.scaled_dot_product_attention(  # [B, Hq, q, d]
         query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2)  # [B, q, Hq, d]
@@ -777,11 +771,12 @@ def flash_layout(position_ids):
     """varlen_attn's index of a packed row: query bounds [n + 1], key bounds [n + 1], key rows [K],
     the longest query, the longest keys."""
     starts, seqs = row_sequences(position_ids)
-    key_bounds = np.cumsum([0] + [len(s) for s in seqs]).tolist()
-    key_rows = [t for s in seqs for t in s]
+    key_lengths = [len(s) for s in seqs]
+    key_bounds = np.cumsum([0] + key_lengths)
+    key_rows = np.concatenate(seqs)  # each sequence's key rows, one after the other
     index = functools.partial(torch.tensor, dtype=torch.int32, device=position_ids.device)
     longest_query = int(max(np.diff(starts)))
-    longest_keys = max(len(s) for s in seqs)
+    longest_keys = max(key_lengths)
     return index(starts), index(key_bounds), index(key_rows), longest_query, longest_keys
 
 
@@ -791,9 +786,8 @@ def flash_attention(query, key, value, position_ids, scaling, window=None):
     prompt), within the sliding `window` if any, in autocast's dtype."""
     cu_q, cu_k, key_rows, max_q, max_k = flash_layout(position_ids)
     dtype = torch.get_autocast_dtype(query.device.type)  # bf16
-    q = query[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hq, d]
-    k = key[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hkv, d]
-    v = value[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hkv, d]
+    # q [T, Hq, d], k and v [T, Hkv, d]
+    q, k, v = (x[0].transpose(0, 1).to(dtype).contiguous() for x in (query, key, value))
     if len(key_rows) != len(q):  # a shared prompt's rows again before each later completion
         k = k.index_select(0, key_rows)  # [K, Hkv, d]
         v = v.index_select(0, key_rows)  # [K, Hkv, d]
@@ -1125,12 +1119,9 @@ def update_stats(stats, grad_norm, micro_batches):
     }
 
 
-class AdapterOff:
-    """LoRA's reference model: the policy with its adapter switched off (reference_weights), not a
-    second copy of the weights."""
-
-    def __init__(self, policy):
-        self.policy = policy
+# LoRA's reference model: the policy with its adapter switched off (reference_weights), not a
+# second copy of the weights
+AdapterOff = collections.namedtuple("AdapterOff", "policy")
 
 
 @contextlib.contextmanager
