@@ -803,7 +803,7 @@ def flash_attention(query, key, value, position_ids, scaling, window=None):
         v = v.repeat_interleave(group, dim=1)  # [K, Hq, d]
     # (left, right) keys a query sees around its own: all before it, or the window's last - 1
     # before it (transformers' key > query - window)
-    window_size = (-1, 0) if not window else (window - 1, 0)
+    window_size = (window - 1 if window else -1, 0)
     out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=window_size,
                       **gqa)
     return out[None]  # [1, T, Hq, d]
@@ -877,14 +877,13 @@ def engine_weights(model, dtype=torch.float32):
             yield name, tensor.to(dtype)
         return
     base = model.get_base_model()
-    layers = dict(base.named_modules())
     for name, tensor in base.state_dict().items():
         # the adapter's own A and B, by their path segments (a module may be named 'explora_x')
         if ".lora_A." in name or ".lora_B." in name:
             continue
         # a wrapped layer keeps its weight and bias as <layer>.base_layer.weight and .bias
         if name.endswith(".base_layer.weight"):
-            layer = layers[name.removesuffix(".base_layer.weight")]
+            layer = base.get_submodule(name.removesuffix(".base_layer.weight"))
             tensor = tensor + layer.get_delta_weight("default")
         yield name.replace(".base_layer.", "."), tensor.to(dtype)
 
