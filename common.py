@@ -1176,10 +1176,10 @@ def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=F
         raise ValueError(f"{path}: its attention scores are soft-capped (Gemma2), which --attn "
                          "varlen does not do: use --attn eager")
     model = model.to(device)
-    if grad_ckpt and not frozen:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
     if frozen:
         return model.eval().requires_grad_(False)
+    if grad_ckpt:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     return model.train()
 
 
@@ -1254,7 +1254,7 @@ def eager_logprobs(model, samples, vocab_size):
     (0 on the CPU, which trains in fp32)."""
     attn = model.config._attn_implementation
     model.set_attn_implementation("eager")
-    device = next(model.parameters()).device
+    device = model.device
     out = []
     for bf16 in [False] + [True] * (device.type == "cuda"):
         logps = []
@@ -1295,25 +1295,24 @@ def trainer_gib(n_params, n_trainable, beta, lora):
 def check_memory(model, beta, lora_r, vllm_fraction):
     """trainer_gib of `model` and vLLM's share of the GPU against its free memory, on one line;
     one line and exit 2 when they do not fit. Passing is not fitting: activations come on top."""
-    free, total = torch.cuda.mem_get_info()
+    free, total = [n / 2**30 for n in torch.cuda.mem_get_info()]  # GiB
     n_params = model.num_parameters()
     n_trainable = model.num_parameters(only_trainable=True)
     trainer = trainer_gib(n_params, n_trainable, beta, lora_r)
-    vllm = vllm_fraction * total / 2**30
+    vllm = vllm_fraction * total
     print(f"GPU memory, estimated: trainer {trainer:.1f} GiB ({n_params / 1e9:.2f}B parameters, "
-          f"{n_trainable / 1e9:.3f}B trained), vLLM {vllm:.1f} GiB, of {free / 2**30:.1f} GiB "
+          f"{n_trainable / 1e9:.3f}B trained), vLLM {vllm:.1f} GiB, of {free:.1f} GiB "
           "free (activations on top)")
-    if trainer + vllm > free / 2**30:
+    if trainer + vllm > free:
         die(f"the run needs about {trainer + vllm:.1f} GiB before activations (trainer "
-            f"{trainer:.1f}, vLLM {vllm:.1f}) and the GPU has {free / 2**30:.1f} free: --lora_r "
+            f"{trainer:.1f}, vLLM {vllm:.1f}) and the GPU has {free:.1f} free: --lora_r "
             "16 trains an adapter instead of every weight, --beta 0 drops the reference, a smaller "
             "--vllm_gpu_memory leaves more room (a smaller --token_budget, for the activations)")
 
 
 def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule):
     """AdamW (torch's betas, as TRL and verl); linear warm-up, then constant or cosine to 10%."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                                  betas=(0.9, 0.999))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
     def factor(t):  # the learning rate's multiplier at optimiser step t
         if t < warmup_steps:
@@ -1365,15 +1364,14 @@ def parse_args(cls, method, description, recipe=None, argv=None):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.error = die  # argparse would print the whole usage block first
     NEW_OUT.clear()  # (a run before this one in the same process is not this run's to undo)
-    if argv is None:
-        argv = sys.argv[1:]
+    # (argv None: both parses read sys.argv[1:], as argparse does)
     typed = vars(parser.parse_args(argv))  # the flags as typed: None where none was given
     resume = typed["resume"]
     if resume:
         defaults = resumed_flags(resume, typed["out"], method)
     else:  # the recipes fill only the flags left at None
         recipes = {**RECIPE, **DATASETS.get(typed["dataset"], {})}
-        defaults = {k: v for k, v in recipes.items() if k in typed and typed[k] is None}
+        defaults = {k: v for k, v in recipes.items() if typed.get(k) is None}
         if recipe:
             defaults.update(recipe(typed))
     # argparse's own defaults: a flag typed wins over them
@@ -1423,7 +1421,9 @@ def check_new_out(out):
     here, before anything loads, and a file written in it (os.access would say yes under /proc to
     root); die() takes it back until the run's first evaluation has passed."""
     existing = os.path.abspath(out)  # the deepest part of the path that exists
+    made = None  # the top folder a new --out makes: the path's first part below `existing`
     while not os.path.exists(existing):
+        made = existing
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         die(f"--out {out!r}: {existing} is a file, not a folder")
@@ -1433,9 +1433,8 @@ def check_new_out(out):
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         die(f"--out {out!r} holds a run that stopped before its first checkpoint: delete it, or "
             "pick another --out")
-    path = os.path.abspath(out)
-    if path != existing:  # the top folder made: the path's first part below `existing`
-        NEW_OUT.append(os.path.join(existing, os.path.relpath(path, existing).split(os.sep)[0]))
+    if made:
+        NEW_OUT.append(made)
     try:
         os.makedirs(out, exist_ok=True)
         tempfile.TemporaryFile(dir=out).close()
@@ -1546,9 +1545,9 @@ def to_rows(records, where):
             row["question"] = r["problem"]
         if "answer" in r or "solution" in r:
             row["answer"] = gold_answer(r)
-        if "answer" in row and not row["answer"]:
-            raise ValueError(f"{where}: row {i}'s 'answer' must be a string or a finite number "
-                             "(or its 'solution' hold a \\boxed{})")
+            if not row["answer"]:
+                raise ValueError(f"{where}: row {i}'s 'answer' must be a string or a finite "
+                                 "number (or its 'solution' hold a \\boxed{})")
         rows.append(row)
     if not rows:
         raise ValueError(f"{where}: no rows")
@@ -1596,10 +1595,10 @@ def load_dataset(spec, eval_n):
     train = found["train"]
     val = found.get("val")
     test = found.get("test")
-    if test is None and len(train) < 2:  # else the held-out row would leave none to train on
-        raise ValueError(f"--dataset {spec!r}: 1 row, too few to hold one out for testing: give "
-                         "at least 2, or a folder with a train.jsonl and a test.jsonl")
     if test is None:  # a fifth of the training rows, at most eval_n
+        if len(train) < 2:  # else the held-out row would leave none to train on
+            raise ValueError(f"--dataset {spec!r}: 1 row, too few to hold one out for testing: "
+                             "give at least 2, or a folder with a train.jsonl and a test.jsonl")
         test, train = split_off(train, max(1, min(eval_n, len(train) // 5)))
     if "val" in entry:  # validation carved from train; the test split stays whole
         val, train = split_off(train, entry["val"])
