@@ -1295,17 +1295,17 @@ def trainer_gib(n_params, n_trainable, beta, lora):
 def check_memory(model, beta, lora_r, vllm_fraction):
     """trainer_gib of `model` and vLLM's share of the GPU against its free memory, on one line;
     one line and exit 2 when they do not fit. Passing is not fitting: activations come on top."""
-    free, total = [n / 2**30 for n in torch.cuda.mem_get_info()]  # GiB
+    free, total = torch.cuda.mem_get_info()
     n_params = model.num_parameters()
     n_trainable = model.num_parameters(only_trainable=True)
     trainer = trainer_gib(n_params, n_trainable, beta, lora_r)
-    vllm = vllm_fraction * total
+    vllm = vllm_fraction * total / 2**30
     print(f"GPU memory, estimated: trainer {trainer:.1f} GiB ({n_params / 1e9:.2f}B parameters, "
-          f"{n_trainable / 1e9:.3f}B trained), vLLM {vllm:.1f} GiB, of {free:.1f} GiB "
+          f"{n_trainable / 1e9:.3f}B trained), vLLM {vllm:.1f} GiB, of {free / 2**30:.1f} GiB "
           "free (activations on top)")
-    if trainer + vllm > free:
+    if trainer + vllm > free / 2**30:
         die(f"the run needs about {trainer + vllm:.1f} GiB before activations (trainer "
-            f"{trainer:.1f}, vLLM {vllm:.1f}) and the GPU has {free:.1f} free: --lora_r "
+            f"{trainer:.1f}, vLLM {vllm:.1f}) and the GPU has {free / 2**30:.1f} free: --lora_r "
             "16 trains an adapter instead of every weight, --beta 0 drops the reference, a smaller "
             "--vllm_gpu_memory leaves more room (a smaller --token_budget, for the activations)")
 
