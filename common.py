@@ -1666,7 +1666,8 @@ def evaluate(run, rows, progress=False):
     if counts["capped"]:  # (tqdm's write: above the training bar)
         tqdm.tqdm.write(f"warning: {counts['capped']} of {len(rows)} held-out answers took "
                         f"reward() over --reward_timeout {timeout:g} s: each scored 0")
-    return float(np.nansum(rewards)) / max(1, len(rows))  # (NaN: capped)
+    # (NaN: capped; rows: never empty, load_task refuses an empty held-out split)
+    return float(np.nansum(rewards)) / len(rows)
 
 
 @dataclasses.dataclass
@@ -1717,16 +1718,17 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
             die(str(e).splitlines()[0])
         resumed = f" or --resume {folder}" if folder else ""
         die(f"--model {args.model!r}, --dataset {args.dataset!r}{resumed}: {e!r:.300}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     use_vllm = args.rollout == "vllm" or (args.rollout == "auto"
                                           and importlib.util.find_spec("vllm") is not None)
-    if device.type == "cuda":  # before anything is on the GPU
+    if device == "cuda":  # before anything is on the GPU
         check_memory(model, args.beta, args.lora_r, args.vllm_gpu_memory if use_vllm else 0.0)
     model = model.to(device)
     questions = questions or args.prompts_per_step
     steps = args.steps or math.ceil(len(train_rows) / questions)
+    train_s = state.get("train_s", 0.0)  # summed step seconds of the run resumed
     # a finished run resumed (its last step, or its --time_budget spent): nothing more is loaded
-    spent = args.time_budget and state.get("train_s", 0.0) >= args.time_budget
+    spent = args.time_budget and train_s >= args.time_budget
     if state["step"] >= steps or spent:
         print(f"nothing to do: {args.out} finished at step {state['step']} (--steps {steps}, "
               f"--time_budget {args.time_budget:g})")
@@ -1772,7 +1774,7 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
         start=state["step"],
         cursor=state["cursor"],
         state=state,
-        train_s=state.get("train_s", 0.0),
+        train_s=train_s,
         reward=reward,
         metric=metric,
     )
@@ -1839,8 +1841,7 @@ def load_policy(args, folder):
     saved = os.path.join(folder, "model") if folder else None
     weights = args.model if args.lora_r or not folder else saved
     print(f"loading {weights}")
-    model = load_model(weights, torch.device("cpu"), args.trust_remote_code, args.attn,
-                       args.grad_ckpt)
+    model = load_model(weights, "cpu", args.trust_remote_code, args.attn, args.grad_ckpt)
     if args.lora_r:
         alpha = args.lora_alpha or 2 * args.lora_r
         model = add_lora(model, args.lora_r, alpha, saved)
@@ -1880,12 +1881,14 @@ def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, e
     kept."""
     folder = os.path.join(out, f"checkpoint-{step}")
     shutil.rmtree(folder, ignore_errors=True)  # a save of this step cut short before
-    model.save_pretrained(os.path.join(folder, "model"))
-    tokenizer.save_pretrained(os.path.join(folder, "model"))
+    weights = os.path.join(folder, "model")
+    model.save_pretrained(weights)
+    tokenizer.save_pretrained(weights)
     state = {"step": step, "cursor": cursor, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), **(extra or {})}
-    torch.save(state, os.path.join(folder, "state.pt.tmp"))
-    os.replace(os.path.join(folder, "state.pt.tmp"), os.path.join(folder, "state.pt"))
+    path = os.path.join(folder, "state.pt")
+    torch.save(state, f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
     every = set(glob.glob(os.path.join(glob.escape(out), "checkpoint-*")))
     for old in every - set(checkpoints(out)[-2:]):  # the two newest complete ones stay
         shutil.rmtree(old)
@@ -1994,10 +1997,11 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     run.train_s += row["step_s"]
     if args.time_budget and run.train_s >= args.time_budget:
         run.steps = done  # this step is the last
-    if (args.eval_every and done % args.eval_every == 0) or done == run.steps:
+    last = done == run.steps
+    if (args.eval_every and done % args.eval_every == 0) or last:
         run.eval_score = evaluate(run, run.eval_rows)
         row[f"eval_{run.metric}"] = run.eval_score
-    if done == run.steps:
+    if last:
         if run.test_rows is run.eval_rows:  # no validation split: the test was just evaluated
             run.test_score = run.eval_score
         else:
@@ -2008,13 +2012,13 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     held_out = "-" if run.eval_score is None else f"{run.eval_score:.3f}"
     bar.set_postfix({"reward": f"{row['reward_mean']:.3f}", run.metric: held_out,
                      "cut": f"{row['truncated']:.2f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
-    if done % args.save_every == 0 or done == run.steps:
+    if done % args.save_every == 0 or last:
         extra = {**(extra_state or {}), "train_s": run.train_s}
         save_checkpoint(args.out, run.model, run.tokenizer, run.optimizer, run.scheduler, done,
                         cursor, extra)
     if torch.cuda.is_available():  # the next step's peak, the evaluation and saving not in it
         torch.cuda.reset_peak_memory_stats()
-    return done == run.steps  # (wandb and trackio finish their run at exit)
+    return last  # (wandb and trackio finish their run at exit)
 
 
 class PhaseTimer:
