@@ -489,24 +489,22 @@ def pack_microbatches(samples, token_budget, shared=False):
     order = range(len(samples))
     if shared:  # a prompt's samples side by side
         order = sorted(order, key=lambda i: samples[i].prompt_ids)
-    units = []  # {"tokens", "samples"}: one sample, or (shared) a run of samples after one prompt
+    # {"tokens", "samples", "prompt"}: one sample, or (shared) a run of samples after one prompt
+    units = []
     for i in order:
         prompt = samples[i].prompt_ids
         length = len(samples[i].completion_ids)
         last = units[-1] if units else None
-        same_prompt = False
-        if shared and last is not None:
-            same_prompt = samples[last["samples"][0]].prompt_ids == prompt
-        if same_prompt and last["tokens"] + length <= token_budget:
-            last["tokens"] += length  # its prompt is already counted
+        # (shared) the last unit's prompt again, and room for it: its prompt is already counted
+        if shared and last and last["prompt"] == prompt and last["tokens"] + length <= token_budget:
+            last["tokens"] += length
             last["samples"].append(i)
         else:
-            units.append({"tokens": len(prompt) + length, "samples": [i]})
+            units.append({"tokens": len(prompt) + length, "samples": [i], "prompt": prompt})
     # first-fit decreasing: each unit, largest first, into the first bin with room
     bins = []  # {"tokens", "samples"}
     for unit in sorted(units, key=lambda u: -u["tokens"]):  # a stable sort: ties keep their order
-        room = [b for b in bins if b["tokens"] + unit["tokens"] <= token_budget]
-        fit = room[0] if room else None
+        fit = next((b for b in bins if b["tokens"] + unit["tokens"] <= token_budget), None)
         if fit is None:
             fit = {"tokens": 0, "samples": []}
             bins.append(fit)
@@ -552,7 +550,7 @@ def row_sequences(position_ids):
     positions do not go on by one; one starting at p > 0 follows a shared prompt: its keys are the
     first p rows of the last sequence that started at 0, then its own."""
     pos = position_ids[0].tolist()
-    starts = [t for t in range(len(pos)) if t == 0 or pos[t] != pos[t - 1] + 1]
+    starts = [t for t, p in enumerate(pos) if t == 0 or p != pos[t - 1] + 1]
     starts.append(len(pos))  # the end of the last sequence
     seqs = []
     root = 0  # where the last sequence starting at position 0 (a prompt) starts
@@ -595,7 +593,7 @@ def seq_layout(position_ids, window=None):
         keys       0 1 2 3 4 | 5 6 7 8 8      queries  the same     scatter  0 1 2 3 4 5 6 7 8
     """
     starts, seqs = row_sequences(position_ids)
-    device = position_ids.device
+    tensor = functools.partial(torch.tensor, device=position_ids.device)
     n_queries = np.diff(starts).tolist()  # each sequence's own rows: its queries
     n_keys = [len(s) for s in seqs]  # its keys: more than its own rows after a shared prompt
     shared = [q < k for q, k in zip(n_queries, n_keys)]
@@ -615,21 +613,17 @@ def seq_layout(position_ids, window=None):
         query_len = max(n_queries[i] for i in group)
         for i in group:
             last = seqs[i][-1]  # the padding
-            own_rows = seqs[i][n_keys[i] - n_queries[i]:]  # its queries: its own rows only
+            own_rows = seqs[i][-n_queries[i]:]  # its queries: its own rows only (one or more)
             keys += seqs[i] + [last] * (key_len - n_keys[i])
-            queries += own_rows + [last] * (query_len - len(own_rows))
+            queries += own_rows + [last] * (query_len - n_queries[i])
         mask = None  # square within the window: sdpa's causal flag
         if shared[group[0]] or (window and key_len > window):
             keys_before = [n_keys[i] - n_queries[i] for i in group]  # each one's prompt rows
             own = [n_queries[i] for i in group]
-            mask = shared_mask(keys_before, own, query_len, key_len, window)
-            mask = torch.tensor(mask, device=device)
+            mask = tensor(shared_mask(keys_before, own, query_len, key_len, window))
         buckets.append(Bucket(len(group), key_len, query_len, mask))
     scatter = first_slots(queries)
-    keys = torch.tensor(keys, device=device)  # [Rk]
-    queries = torch.tensor(queries, device=device)  # [Rq]
-    scatter = torch.tensor(scatter, device=device)  # [T]
-    return buckets, keys, queries, scatter
+    return buckets, tensor(keys), tensor(queries), tensor(scatter)  # [Rk], [Rq], [T]
 
 
 def shared_mask(keys_before, own, query_len, key_len, window=None):
@@ -658,8 +652,7 @@ def shared_mask(keys_before, own, query_len, key_len, window=None):
 def first_slots(queries):
     """scatter [T]: for each row t = 0 .. T-1 the first query slot that holds it (a later one is
     padding, which repeats a row already placed). queries [0, 1, 2, 2, 3] gives [0, 1, 2, 4]."""
-    rows, slots = np.unique(queries, return_index=True)  # the rows in order, the first slot of each
-    return slots
+    return np.unique(queries, return_index=True)[1]  # (the rows in order,) the first slot of each
 
 
 def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, local_size=None, **kwargs):
@@ -722,9 +715,10 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             o = torch.nn.functional.scaled_dot_product_attention(  # [count, Hq, query_len, d]
                 bq, bk, bv, attn_mask=bucket.mask, dropout_p=dropout,
                 is_causal=bucket.mask is None, scale=scaling, enable_gqa=True)
+            o = o.transpose(1, 2)  # [count, query_len, Hq, d]
         else:
-            o = sink_attention(bq, bk, bv, bucket.mask, sinks, dropout, scaling).transpose(1, 2)
-        out.append(o.transpose(1, 2).flatten(0, 1))  # [count query_len, Hq, d]
+            o = sink_attention(bq, bk, bv, bucket.mask, sinks, dropout, scaling)  # the same
+        out.append(o.flatten(0, 1))  # [count query_len, Hq, d]
         q_start = q_end
         k_start = k_end
     return torch.cat(out).index_select(0, scatter)[None], None  # [1, T, Hq, d]
@@ -738,8 +732,8 @@ def check_unpacked(module, query, attention_mask, position_ids):
         return
     if attention_mask is not None and attention_mask.shape[-1] != query.shape[2]:
         return  # a cache: keys past the queries
-    restarts = (position_ids[0, 1:] != position_ids[0, :-1] + 1).any()
-    if restarts.item():
+    restarts = (position_ids[0].diff() != 1).any()
+    if restarts:
         raise RuntimeError(f"a packed row (position ids that restart inside it) reached "
                            f"{type(module).__name__}'s attention without the packed layout: its "
                            "sequences would attend to each other. Run it inside "
@@ -756,13 +750,13 @@ def sink_attention(query, key, value, mask, sinks, dropout, scaling):
     k_len = key.shape[2]
     if mask is None:  # causal, aligned at the bottom right (a cache's keys come first)
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
-    bias = bias.masked_fill(~mask, -math.inf).expand(batch, heads, q_len, k_len)  # [B, Hq, q, k]
+    bias = query.new_zeros(mask.shape).masked_fill(~mask, -math.inf)  # query's dtype and device
+    bias = bias.expand(batch, heads, q_len, k_len)  # [B, Hq, q, k]
     sink = sinks.to(query.dtype)[None, :, None, None].expand(batch, heads, q_len, 1)  # [B,Hq,q,1]
     bias = torch.cat([bias, sink], dim=-1)  # [B, Hq, q, k + 1]
-    zero = key.new_zeros(batch, key.shape[1], 1, key.shape[3])  # [B, Hkv, 1, d]
-    key = torch.cat([key, zero], dim=2)  # [B, Hkv, k + 1, d]
-    value = torch.cat([value, zero], dim=2)  # [B, Hkv, k + 1, d]
+    # the sink's key and value: one more row of zeros (pad's (0, 0, 0, 1): d by none, k by one)
+    key = torch.nn.functional.pad(key, (0, 0, 0, 1))  # [B, Hkv, k + 1, d]
+    value = torch.nn.functional.pad(value, (0, 0, 0, 1))  # [B, Hkv, k + 1, d]
     out = torch.nn.functional.scaled_dot_product_attention(  # [B, Hq, q, d]
         query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2)  # [B, q, Hq, d]
@@ -781,11 +775,12 @@ def flash_layout(position_ids):
     """varlen_attn's index of a packed row: query bounds [n + 1], key bounds [n + 1], key rows [K],
     the longest query, the longest keys."""
     starts, seqs = row_sequences(position_ids)
-    key_bounds = np.cumsum([0] + [len(s) for s in seqs]).tolist()
-    key_rows = [t for s in seqs for t in s]
+    key_lengths = [len(s) for s in seqs]
+    key_bounds = np.cumsum([0] + key_lengths)
+    key_rows = np.concatenate(seqs)  # each sequence's key rows, one after the other
     index = functools.partial(torch.tensor, dtype=torch.int32, device=position_ids.device)
     longest_query = int(max(np.diff(starts)))
-    longest_keys = max(len(s) for s in seqs)
+    longest_keys = max(key_lengths)
     return index(starts), index(key_bounds), index(key_rows), longest_query, longest_keys
 
 
@@ -795,9 +790,8 @@ def flash_attention(query, key, value, position_ids, scaling, window=None):
     prompt), within the sliding `window` if any, in autocast's dtype."""
     cu_q, cu_k, key_rows, max_q, max_k = flash_layout(position_ids)
     dtype = torch.get_autocast_dtype(query.device.type)  # bf16
-    q = query[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hq, d]
-    k = key[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hkv, d]
-    v = value[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hkv, d]
+    # q [T, Hq, d], k and v [T, Hkv, d]
+    q, k, v = (x[0].transpose(0, 1).to(dtype).contiguous() for x in (query, key, value))
     if len(key_rows) != len(q):  # a shared prompt's rows again before each later completion
         k = k.index_select(0, key_rows)  # [K, Hkv, d]
         v = v.index_select(0, key_rows)  # [K, Hkv, d]
@@ -813,7 +807,7 @@ def flash_attention(query, key, value, position_ids, scaling, window=None):
         v = v.repeat_interleave(group, dim=1)  # [K, Hq, d]
     # (left, right) keys a query sees around its own: all before it, or the window's last - 1
     # before it (transformers' key > query - window)
-    window_size = (-1, 0) if not window else (window - 1, 0)
+    window_size = (window - 1 if window else -1, 0)
     out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=window_size,
                       **gqa)
     return out[None]  # [1, T, Hq, d]
@@ -887,14 +881,13 @@ def engine_weights(model, dtype=torch.float32):
             yield name, tensor.to(dtype)
         return
     base = model.get_base_model()
-    layers = dict(base.named_modules())
     for name, tensor in base.state_dict().items():
         # the adapter's own A and B, by their path segments (a module may be named 'explora_x')
         if ".lora_A." in name or ".lora_B." in name:
             continue
         # a wrapped layer keeps its weight and bias as <layer>.base_layer.weight and .bias
         if name.endswith(".base_layer.weight"):
-            layer = layers[name.removesuffix(".base_layer.weight")]
+            layer = base.get_submodule(name.removesuffix(".base_layer.weight"))
             tensor = tensor + layer.get_delta_weight("default")
         yield name.replace(".base_layer.", "."), tensor.to(dtype)
 
@@ -1129,12 +1122,9 @@ def update_stats(stats, grad_norm, micro_batches):
     }
 
 
-class AdapterOff:
-    """LoRA's reference model: the policy with its adapter switched off (reference_weights), not a
-    second copy of the weights."""
-
-    def __init__(self, policy):
-        self.policy = policy
+# LoRA's reference model: the policy with its adapter switched off (reference_weights), not a
+# second copy of the weights
+AdapterOff = collections.namedtuple("AdapterOff", "policy")
 
 
 @contextlib.contextmanager
@@ -1180,10 +1170,10 @@ def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=F
         raise ValueError(f"{path}: its attention scores are soft-capped (Gemma2), which --attn "
                          "varlen does not do: use --attn eager")
     model = model.to(device)
-    if grad_ckpt and not frozen:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
     if frozen:
         return model.eval().requires_grad_(False)
+    if grad_ckpt:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     return model.train()
 
 
@@ -1258,7 +1248,7 @@ def eager_logprobs(model, samples, vocab_size):
     (0 on the CPU, which trains in fp32)."""
     attn = model.config._attn_implementation
     model.set_attn_implementation("eager")
-    device = next(model.parameters()).device
+    device = model.device
     out = []
     for bf16 in [False] + [True] * (device.type == "cuda"):
         logps = []
@@ -1316,8 +1306,7 @@ def check_memory(model, beta, lora_r, vllm_fraction):
 
 def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule):
     """AdamW (torch's betas, as TRL and verl); linear warm-up, then constant or cosine to 10%."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                                  betas=(0.9, 0.999))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
     def factor(t):  # the learning rate's multiplier at optimiser step t
         if t < warmup_steps:
@@ -1369,15 +1358,14 @@ def parse_args(cls, method, description, recipe=None, argv=None):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.error = die  # argparse would print the whole usage block first
     NEW_OUT.clear()  # (a run before this one in the same process is not this run's to undo)
-    if argv is None:
-        argv = sys.argv[1:]
+    # (argv None: both parses read sys.argv[1:], as argparse does)
     typed = vars(parser.parse_args(argv))  # the flags as typed: None where none was given
     resume = typed["resume"]
     if resume:
         defaults = resumed_flags(resume, typed["out"], method)
     else:  # the recipes fill only the flags left at None
         recipes = {**RECIPE, **DATASETS.get(typed["dataset"], {})}
-        defaults = {k: v for k, v in recipes.items() if k in typed and typed[k] is None}
+        defaults = {k: v for k, v in recipes.items() if typed.get(k) is None}
         if recipe:
             defaults.update(recipe(typed))
     # argparse's own defaults: a flag typed wins over them
@@ -1427,7 +1415,9 @@ def check_new_out(out):
     here, before anything loads, and a file written in it (os.access would say yes under /proc to
     root); die() takes it back until the run's first evaluation has passed."""
     existing = os.path.abspath(out)  # the deepest part of the path that exists
+    made = None  # the top folder a new --out makes: the path's first part below `existing`
     while not os.path.exists(existing):
+        made = existing
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         die(f"--out {out!r}: {existing} is a file, not a folder")
@@ -1437,9 +1427,8 @@ def check_new_out(out):
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         die(f"--out {out!r} holds a run that stopped before its first checkpoint: delete it, or "
             "pick another --out")
-    path = os.path.abspath(out)
-    if path != existing:  # the top folder made: the path's first part below `existing`
-        NEW_OUT.append(os.path.join(existing, os.path.relpath(path, existing).split(os.sep)[0]))
+    if made:
+        NEW_OUT.append(made)
     try:
         os.makedirs(out, exist_ok=True)
         tempfile.TemporaryFile(dir=out).close()
@@ -1550,9 +1539,9 @@ def to_rows(records, where):
             row["question"] = r["problem"]
         if "answer" in r or "solution" in r:
             row["answer"] = gold_answer(r)
-        if "answer" in row and not row["answer"]:
-            raise ValueError(f"{where}: row {i}'s 'answer' must be a string or a finite number "
-                             "(or its 'solution' hold a \\boxed{})")
+            if not row["answer"]:
+                raise ValueError(f"{where}: row {i}'s 'answer' must be a string or a finite "
+                                 "number (or its 'solution' hold a \\boxed{})")
         rows.append(row)
     if not rows:
         raise ValueError(f"{where}: no rows")
@@ -1600,10 +1589,10 @@ def load_dataset(spec, eval_n):
     train = found["train"]
     val = found.get("val")
     test = found.get("test")
-    if test is None and len(train) < 2:  # else the held-out row would leave none to train on
-        raise ValueError(f"--dataset {spec!r}: 1 row, too few to hold one out for testing: give "
-                         "at least 2, or a folder with a train.jsonl and a test.jsonl")
     if test is None:  # a fifth of the training rows, at most eval_n
+        if len(train) < 2:  # else the held-out row would leave none to train on
+            raise ValueError(f"--dataset {spec!r}: 1 row, too few to hold one out for testing: "
+                             "give at least 2, or a folder with a train.jsonl and a test.jsonl")
         test, train = split_off(train, max(1, min(eval_n, len(train) // 5)))
     if "val" in entry:  # validation carved from train; the test split stays whole
         val, train = split_off(train, entry["val"])
@@ -1670,7 +1659,8 @@ def evaluate(run, rows, progress=False):
     if counts["capped"]:  # (tqdm's write: above the training bar)
         tqdm.tqdm.write(f"warning: {counts['capped']} of {len(rows)} held-out answers took "
                         f"reward() over --reward_timeout {timeout:g} s: each scored 0")
-    return float(np.nansum(rewards)) / max(1, len(rows))  # (NaN: capped)
+    # (NaN: capped; rows: never empty, load_task refuses an empty held-out split)
+    return float(np.nansum(rewards)) / len(rows)
 
 
 @dataclasses.dataclass
@@ -1721,16 +1711,17 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
             die(str(e).splitlines()[0])
         resumed = f" or --resume {folder}" if folder else ""
         die(f"--model {args.model!r}, --dataset {args.dataset!r}{resumed}: {e!r:.300}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     use_vllm = args.rollout == "vllm" or (args.rollout == "auto"
                                           and importlib.util.find_spec("vllm") is not None)
-    if device.type == "cuda":  # before anything is on the GPU
+    if device == "cuda":  # before anything is on the GPU
         check_memory(model, args.beta, args.lora_r, args.vllm_gpu_memory if use_vllm else 0.0)
     model = model.to(device)
     questions = questions or args.prompts_per_step
     steps = args.steps or math.ceil(len(train_rows) / questions)
+    train_s = state.get("train_s", 0.0)  # summed step seconds of the run resumed
     # a finished run resumed (its last step, or its --time_budget spent): nothing more is loaded
-    spent = args.time_budget and state.get("train_s", 0.0) >= args.time_budget
+    spent = args.time_budget and train_s >= args.time_budget
     if state["step"] >= steps or spent:
         print(f"nothing to do: {args.out} finished at step {state['step']} (--steps {steps}, "
               f"--time_budget {args.time_budget:g})")
@@ -1776,7 +1767,7 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
         start=state["step"],
         cursor=state["cursor"],
         state=state,
-        train_s=state.get("train_s", 0.0),
+        train_s=train_s,
         reward=reward,
         metric=metric,
     )
@@ -1843,8 +1834,7 @@ def load_policy(args, folder):
     saved = os.path.join(folder, "model") if folder else None
     weights = args.model if args.lora_r or not folder else saved
     print(f"loading {weights}")
-    model = load_model(weights, torch.device("cpu"), args.trust_remote_code, args.attn,
-                       args.grad_ckpt)
+    model = load_model(weights, "cpu", args.trust_remote_code, args.attn, args.grad_ckpt)
     if args.lora_r:
         alpha = args.lora_alpha or 2 * args.lora_r
         model = add_lora(model, args.lora_r, alpha, saved)
@@ -1884,12 +1874,14 @@ def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, e
     kept."""
     folder = os.path.join(out, f"checkpoint-{step}")
     shutil.rmtree(folder, ignore_errors=True)  # a save of this step cut short before
-    model.save_pretrained(os.path.join(folder, "model"))
-    tokenizer.save_pretrained(os.path.join(folder, "model"))
+    weights = os.path.join(folder, "model")
+    model.save_pretrained(weights)
+    tokenizer.save_pretrained(weights)
     state = {"step": step, "cursor": cursor, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), **(extra or {})}
-    torch.save(state, os.path.join(folder, "state.pt.tmp"))
-    os.replace(os.path.join(folder, "state.pt.tmp"), os.path.join(folder, "state.pt"))
+    path = os.path.join(folder, "state.pt")
+    torch.save(state, f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
     every = set(glob.glob(os.path.join(glob.escape(out), "checkpoint-*")))
     for old in every - set(checkpoints(out)[-2:]):  # the two newest complete ones stay
         shutil.rmtree(old)
@@ -1998,10 +1990,11 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     run.train_s += row["step_s"]
     if args.time_budget and run.train_s >= args.time_budget:
         run.steps = done  # this step is the last
-    if (args.eval_every and done % args.eval_every == 0) or done == run.steps:
+    last = done == run.steps
+    if (args.eval_every and done % args.eval_every == 0) or last:
         run.eval_score = evaluate(run, run.eval_rows)
         row[f"eval_{run.metric}"] = run.eval_score
-    if done == run.steps:
+    if last:
         if run.test_rows is run.eval_rows:  # no validation split: the test was just evaluated
             run.test_score = run.eval_score
         else:
@@ -2012,13 +2005,13 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     held_out = "-" if run.eval_score is None else f"{run.eval_score:.3f}"
     bar.set_postfix({"reward": f"{row['reward_mean']:.3f}", run.metric: held_out,
                      "cut": f"{row['truncated']:.2f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
-    if done % args.save_every == 0 or done == run.steps:
+    if done % args.save_every == 0 or last:
         extra = {**(extra_state or {}), "train_s": run.train_s}
         save_checkpoint(args.out, run.model, run.tokenizer, run.optimizer, run.scheduler, done,
                         cursor, extra)
     if torch.cuda.is_available():  # the next step's peak, the evaluation and saving not in it
         torch.cuda.reset_peak_memory_stats()
-    return done == run.steps  # (wandb and trackio finish their run at exit)
+    return last  # (wandb and trackio finish their run at exit)
 
 
 class PhaseTimer:
