@@ -495,9 +495,9 @@ def pack_microbatches(samples, token_budget, shared=False):
         prompt = samples[i].prompt_ids
         length = len(samples[i].completion_ids)
         last = units[-1] if units else None
-        # (shared) the last unit's prompt again, and room for it: its prompt is already counted
-        if shared and last and last["prompt"] == prompt and last["tokens"] + length <= token_budget:
-            last["tokens"] += length
+        same_prompt = shared and last is not None and last["prompt"] == prompt
+        if same_prompt and last["tokens"] + length <= token_budget:
+            last["tokens"] += length  # its prompt is already counted
             last["samples"].append(i)
         else:
             units.append({"tokens": len(prompt) + length, "samples": [i], "prompt": prompt})
