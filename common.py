@@ -620,10 +620,14 @@ def seq_layout(position_ids, window=None):
         if shared[group[0]] or (window and key_len > window):
             keys_before = [n_keys[i] - n_queries[i] for i in group]  # each one's prompt rows
             own = [n_queries[i] for i in group]
-            mask = tensor(shared_mask(keys_before, own, query_len, key_len, window))
+            mask = shared_mask(keys_before, own, query_len, key_len, window)
+            mask = tensor(mask)
         buckets.append(Bucket(len(group), key_len, query_len, mask))
     scatter = first_slots(queries)
-    return buckets, tensor(keys), tensor(queries), tensor(scatter)  # [Rk], [Rq], [T]
+    keys = tensor(keys)  # [Rk]
+    queries = tensor(queries)  # [Rq]
+    scatter = tensor(scatter)  # [T]
+    return buckets, keys, queries, scatter
 
 
 def shared_mask(keys_before, own, query_len, key_len, window=None):
@@ -652,7 +656,8 @@ def shared_mask(keys_before, own, query_len, key_len, window=None):
 def first_slots(queries):
     """scatter [T]: for each row t = 0 .. T-1 the first query slot that holds it (a later one is
     padding, which repeats a row already placed). queries [0, 1, 2, 2, 3] gives [0, 1, 2, 4]."""
-    return np.unique(queries, return_index=True)[1]  # (the rows in order,) the first slot of each
+    rows, slots = np.unique(queries, return_index=True)  # the rows in order, the first slot of each
+    return slots
 
 
 def varlen_mask(*, attention_mask=None, allow_is_causal_skip=True, local_size=None, **kwargs):
@@ -790,8 +795,9 @@ def flash_attention(query, key, value, position_ids, scaling, window=None):
     prompt), within the sliding `window` if any, in autocast's dtype."""
     cu_q, cu_k, key_rows, max_q, max_k = flash_layout(position_ids)
     dtype = torch.get_autocast_dtype(query.device.type)  # bf16
-    # q [T, Hq, d], k and v [T, Hkv, d]
-    q, k, v = (x[0].transpose(0, 1).to(dtype).contiguous() for x in (query, key, value))
+    q = query[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hq, d]
+    k = key[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hkv, d]
+    v = value[0].transpose(0, 1).to(dtype).contiguous()  # [T, Hkv, d]
     if len(key_rows) != len(q):  # a shared prompt's rows again before each later completion
         k = k.index_select(0, key_rows)  # [K, Hkv, d]
         v = v.index_select(0, key_rows)  # [K, Hkv, d]
