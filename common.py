@@ -347,7 +347,8 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
         add_update_stats(stats, loss, kl, clipped, per_token)
     max_norm = grad_clip or math.inf  # 0: no clipping
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
+    if math.isfinite(stats["loss"]) and grad_norm.isfinite():  # else finish_step stops the run
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return update_stats(stats, grad_norm, len(micro_batches))
 
@@ -391,6 +392,8 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=
         with packed_row(position_ids):
             out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                       attention_mask=None, use_cache=False)
+        if getattr(out, "last_hidden_state", None) is None:  # the whole model ran (Llama 4)
+            return logits_logprobs(out.logits[0][predict], targets, temperature, vocab_size)
         hidden = out.last_hidden_state[0][predict]  # [N, d]
         weight = head.weight[:vocab_size]  # [V, d]: the rows past vocab_size are padding
         bias = None
@@ -1144,6 +1147,14 @@ def reference_weights(model):
         yield model.policy
 
 
+def logits_logprobs(logits, targets, temperature, vocab_size):
+    """Log-probs [N] of the targets from logits [N, V] the model computed itself, its touches
+    after the head in them: for a model whose decoder transformers' get_decoder() does not find
+    (Llama 4's), which runs whole and holds every row's logits."""
+    logits = logits[:, :vocab_size].float() / temperature  # [N, vocab_size]
+    return logits.gather(1, targets[:, None]).squeeze(1) - logits.logsumexp(dim=-1)  # [N]
+
+
 def after_head(logits, config):
     """What a model does to its logits after the LM head: Cohere multiplies by logit_scale,
     Granite divides by logits_scaling, Gemma2 soft-caps (final_logit_softcapping)."""
@@ -1175,12 +1186,35 @@ def load_model(path, device, trust_remote_code=False, attn="varlen", grad_ckpt=F
     if attn == "varlen" and getattr(model.config, "attn_logit_softcapping", None):
         raise ValueError(f"{path}: its attention scores are soft-capped (Gemma2), which --attn "
                          "varlen does not do: use --attn eager")
+    no_dropout(model)  # train mode (for gradient checkpointing) computes what eval mode does
     model = model.to(device)
     if frozen:
         return model.eval().requires_grad_(False)
     if grad_ckpt:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     return model.train()
+
+
+# a config's or a module's rate of dropout (GPT-2's attn_pdrop, OPT's layerdrop) or of noise in
+# training (Mixtral's router_jitter_noise)
+DROPOUT = re.compile(r"dropout|pdrop|layerdrop|jitter")
+
+
+def no_dropout(model):
+    """Every dropout rate of `model` set to 0: in its configs (some layers read them at each
+    forward) and its modules (most copy them when built). The trainer's passes run in train mode,
+    which gradient checkpointing needs, and must compute the log-probs the engine samples from:
+    the model's own in eval mode (check_packing checks it). Its checkpoints save these zeros."""
+    config = model.config
+    configs = [config] + [getattr(config, k, None) for k in config.sub_configs]  # (multimodal)
+    modules = list(model.modules())
+    for owner in [c for c in configs if c is not None] + modules:
+        for name, value in vars(owner).items():
+            if DROPOUT.search(name) and type(value) in (int, float) and value:
+                setattr(owner, name, 0.0)
+    for module in modules:
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
 
 
 PROBE_TOLERANCE = 1e-3  # nats per token: fp32's summation order moves a log-prob by ~1e-6
@@ -1190,14 +1224,15 @@ ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 
 
 def check_packing(model, passes, attn, longest):
-    """The start-up check, before the first rollout: the packed log-probs of a probe against each
-    of its sequences alone through the model's own eager attention, in the trainer's dtype. The
-    probe is a prompt with two completions (laid out once with --shared_prompt) and a second
-    prompt with one, the longest past the model's sliding window where the run's sequences
-    (`longest` tokens) can pass it. Returns the passes to train with: these, or, for --attn eager
-    / sdpa / flash_attention_2 on a model whose masks do not see a packed row, each sequence in a
-    forward of its own. Past the tolerance with --attn varlen, or alone: one line, exit 2.
-    docs/grpo.md#start-up-check"""
+    """The start-up check, before the first rollout: the log-probs of a probe as the trainer
+    computes them (packed, in train mode, in its dtype) against each of its sequences alone
+    through the model's own eager attention in eval mode. The probe is a prompt with two
+    completions (laid out once with --shared_prompt) and a second prompt with one, the longest
+    past the model's sliding window where the run's sequences (`longest` tokens) can pass it.
+    Returns the passes to train with (these, or, for --attn eager / sdpa / flash_attention_2 on a
+    model whose masks do not see a packed row, each sequence in a forward of its own) and what
+    was measured, for config.json. Past the tolerance: one line, exit 2, with what to do where
+    something can be done. docs/grpo.md#start-up-check"""
     config = model.config
     arch = (config.architectures or [config.model_type])[0]
     others = ", ".join(sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYERS))
@@ -1211,8 +1246,6 @@ def check_packing(model, passes, attn, longest):
     # a prompt of 5 tokens with completions of length - 5 and 2; a prompt of 3 with one of 4
     probe = [Sample(ids[:5], ids[5:length]), Sample(ids[:5], ids[-9:-7]),
              Sample(ids[-7:-4], ids[-4:])]
-    training = model.training
-    model.eval()  # no dropout
     try:
         want, noise = eager_logprobs(model, probe, passes.vocab_size)
         # bf16 on a GPU: the model's own bf16 forward is `noise` from its fp32 one
@@ -1221,22 +1254,43 @@ def check_packing(model, passes, attn, longest):
         if error > tolerance and attn != "varlen":  # its masks do not see the packing
             passes = passes._replace(packed=False, shared=False)
         alone = error if passes.packed else probe_error(model, probe, passes, want)
-    except Exception as e:  # (an architecture the packed step cannot run at all)
-        die(f"{arch}: the start-up probe of --attn {attn} failed ({e!r:.200}): --attn eager "
-            "runs the model as it does")
-    model.train(training)
+    except Exception as e:  # (an architecture the trainer's forward cannot run at all)
+        fix = "--attn eager runs the model as it does"
+        if attn == "eager":
+            fix = ("its forward with position ids and no attention mask, as the trainer calls "
+                   "it, fails")
+        die(f"{arch}: the start-up probe of --attn {attn} failed ({e!r:.200}): {fix}")
     if alone > tolerance:
-        die(f"{arch}: on the start-up probe the packed step's log-probs differ from the model's "
-            f"own by {alone:.2g} nats (tolerance {tolerance:.0e}): --attn {attn} does not compute "
-            "this architecture's attention as it does; --attn eager runs it as the model does")
+        die(f"{arch}: on the start-up probe the trainer's log-probs differ from the model's own "
+            f"by {alone:.2g} nats (tolerance {tolerance:.0e}): "
+            f"{probe_advice(model, probe, passes, want, tolerance, attn)}")
+    how = "packed"
     if not passes.packed:
         why = f"its {others} layers" if others else "its masks do not see a packed row"
-        print(f"packing check: --attn {attn} runs each sequence of {arch} in a forward of its own "
-              f"({why}; packed: max |error| {error:.2g}), slower")
-    print(f"packing check: {len(probe)} probe sequences of up to {length} tokens, "
-          f"{'packed' if passes.packed else 'each alone'}, against each alone through {arch}'s "
-          f"own eager attention: max |error| {alone:.1e} nats (tolerance {tolerance:.0e})")
-    return passes
+        how = f"one sequence a forward pass, slower: {why}"
+    print(f"start-up check passed: the trainer's log-probs ({how}) are the model's own")
+    # the numbers, for config.json
+    found = dict(probe_tokens=length, packed=passes.packed, max_error_nats=alone,
+                 tolerance_nats=tolerance)
+    if not passes.packed:
+        found["packed_error_nats"] = error
+    return passes, found
+
+
+def probe_advice(model, probe, passes, want, tolerance, attn):
+    """What a failed start-up probe says to do: nothing circular. Eval mode passing means train
+    mode changes the log-probs (a dropout or noise no_dropout does not know)."""
+    training = model.training
+    in_eval = probe_error(model.eval(), probe, passes, want)
+    model.train(training)
+    if in_eval <= tolerance:
+        return ("in train mode its log-probs change (a dropout or noise that common.no_dropout "
+                "does not turn off): the trainer would not compute what the engine samples")
+    if attn != "eager":
+        return (f"--attn {attn} does not compute this architecture's attention as it does; "
+                "--attn eager runs it as the model does")
+    return ("even each sequence alone: no --attn mode here computes this architecture as it "
+            "does (its forward with position ids and no attention mask)")
 
 
 @torch.no_grad()
@@ -1249,10 +1303,12 @@ def probe_error(model, probe, passes, want):
 
 @torch.no_grad()
 def eager_logprobs(model, samples, vocab_size):
-    """Each sequence alone through the model's whole forward with its own eager attention: the
-    completions' log-probs [N] in fp32, and how far the same under bf16 autocast is from them
-    (0 on the CPU, which trains in fp32)."""
+    """Each sequence alone through the model's whole forward with its own eager attention, in eval
+    mode: the completions' log-probs [N] in fp32, and how far the same under bf16 autocast is from
+    them (0 on the CPU, which trains in fp32)."""
     attn = model.config._attn_implementation
+    training = model.training
+    model.eval()
     model.set_attn_implementation("eager")
     device = model.device
     out = []
@@ -1266,6 +1322,7 @@ def eager_logprobs(model, samples, vocab_size):
             logps.append(logits.float().log_softmax(-1).gather(1, targets)[:, 0])
         out.append(torch.cat(logps))  # [N]
     model.set_attn_implementation(attn)
+    model.train(training)
     return out[0], (out[-1] - out[0]).abs().max().item()
 
 
@@ -1347,7 +1404,7 @@ def die(message):
     """The one-line error of bad input: to stderr, exit status 2. The folder a new run made for
     --out goes too (nothing is written in it before the first evaluation has passed), so that the
     same command runs again."""
-    print(f"error: {message}", file=sys.stderr)
+    tqdm.tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, under a bar
     for made in NEW_OUT:
         shutil.rmtree(made, ignore_errors=True)
     NEW_OUT.clear()
@@ -1404,22 +1461,22 @@ def resumed_flags(folder, out, method):
         die(f"--resume {folder!r}: no checkpoint there (a checkpoint-<step>/ folder with state.pt)")
     if out and os.path.abspath(out) != os.path.abspath(folder):
         die(f"--resume {folder!r} continues that run in its own folder: drop --out {out!r}")
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            config = json.load(f)
-        saved = config["args"]
-        started = config["method"]
-    except Exception as e:
-        die(f"--resume {folder!r}: its config.json cannot be read ({e!r:.300})")
+    config = run_config(folder)
+    if config is None:
+        die(f"--resume {folder!r}: its config.json cannot be read as a run's (the file a run of "
+            "this code writes: its method and flags)")
+    saved = config["args"]
+    started = config["method"]
     if started != method:  # its flags, its checkpoint's state are that method's
         die(f"--resume {folder!r} is a {started} run: {started}.py resumes it, not {method}.py")
     return {**saved, "out": folder}
 
 
 def check_new_out(out):
-    """--out must be a folder that can be made and written, not hold a run already. It is made
-    here, before anything loads, and a file written in it (os.access would say yes under /proc to
-    root); die() takes it back until the run's first evaluation has passed."""
+    """--out must be a new folder, or an empty one, that can be made and written: a folder that
+    holds anything (a model, a dataset, a run) is never written into. It is made here, before
+    anything loads, and a file written in it (os.access would say yes under /proc to root); die()
+    takes it back until the run's first evaluation has passed."""
     existing = os.path.abspath(out)  # the deepest part of the path that exists
     made = None  # the top folder a new --out makes: the path's first part below `existing`
     while not os.path.exists(existing):
@@ -1430,9 +1487,13 @@ def check_new_out(out):
     if checkpoints(out):
         die(f"--out {out!r} already holds a run: --resume {out} continues it, or pick another "
             "--out")
-    if os.path.exists(os.path.join(out, "metrics.jsonl")):
+    if run_config(out):
         die(f"--out {out!r} holds a run that stopped before its first checkpoint: delete it, or "
             "pick another --out")
+    if existing == os.path.abspath(out) and os.listdir(out):
+        held = ", ".join(sorted(os.listdir(out))[:3])
+        die(f"--out {out!r} holds files that are not a run of this code ({held}, ...): --out "
+            "must be a new or empty folder, so that nothing in it is overwritten")
     if made:
         NEW_OUT.append(made)
     try:
@@ -1440,6 +1501,18 @@ def check_new_out(out):
         tempfile.TemporaryFile(dir=out).close()
     except OSError as e:
         die(f"--out {out!r} cannot be written ({e.strerror or e})")
+
+
+def run_config(folder):
+    """The config.json a run of this code wrote in `folder` (its "method" and "args"), else None:
+    a model's config.json is no run's."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ours = isinstance(config, dict) and isinstance(config.get("args"), dict)
+    return config if ours and isinstance(config.get("method"), str) else None
 
 
 def check_flags(f):
@@ -1624,14 +1697,20 @@ def template_messages(template, question):
     return messages
 
 
-def prompt_token_ids(tokenizer, rows, prompt, template, max_prompt_len):
+def prompt_token_ids(tokenizer, rows, prompt, template, max_prompt_len,
+                     timeout=REWARD_TIMEOUT_S):
     """The rows with their tokenised prompt: `prompt(row, template)`'s chat messages through the
     tokenizer's chat template. Rows whose prompt is longer than max_prompt_len are dropped (as
-    verl)."""
+    verl). A message the template leaves out (a role it does not know) stops the run."""
     out = []
     for i, r in enumerate(rows):
-        messages = call_prompt(prompt, r, template, f"row {i}")  # one line if it fails
+        where = f"row {i}"
+        messages = call_prompt(prompt, r, template, where, timeout)  # one line if it fails
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        for m in messages:
+            if m["content"].strip() not in text:
+                user_error("prompt", prompt, where, r, f"returned a {m['role']!r:.20} message "
+                           "that the tokenizer's chat template leaves out")
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) <= max_prompt_len:
             out.append({**r, "prompt_ids": ids})
@@ -1736,7 +1815,8 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
     passes = Passes(args.temperature, len(tokenizer), args.token_budget, args.logprob_chunk,
                     shared=args.shared_prompt and args.attn == "varlen")
     # packed = each sequence alone, or one line and exit 2, before the engine loads
-    passes = check_packing(model, passes, args.attn, args.max_prompt_len + args.max_tokens)
+    passes, startup_check = check_packing(model, passes, args.attn,
+                                          args.max_prompt_len + args.max_tokens)
     ref_model = None  # the frozen reference of the KL term: none at beta 0
     if args.beta and args.lora_r:  # LoRA's: the policy with its adapter off
         ref_model = AdapterOff(model)
@@ -1754,8 +1834,7 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
     optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, warmup,
                                           steps * args.mu, args.lr_schedule)
     if folder:  # onto the parameters' device: a GPU run resumes on a CPU-only machine too
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        load_optimizer_state(optimizer, scheduler, state, folder)
     run = Run(
         args=args,
         tokenizer=tokenizer,
@@ -1793,6 +1872,7 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
         "engine": type(engine).__name__,
         "metric": metric,
         "ideal_trained_fraction": 1.0,  # a method that trains on fewer rollouts says how many
+        "startup_check": startup_check,  # check_packing's numbers
         **(config or {}),
     }
     with open(os.path.join(args.out, "config.json"), "w") as f:
@@ -1817,7 +1897,8 @@ def load_task(args, prompt, reward):
     train_rows, val_rows, test_rows = load_dataset(args.dataset, args.eval_n)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     tokenize = functools.partial(prompt_token_ids, tokenizer, prompt=prompt,
-                                 template=args.template, max_prompt_len=args.max_prompt_len)
+                                 template=args.template, max_prompt_len=args.max_prompt_len,
+                                 timeout=args.reward_timeout)
     train_rows = tokenize(train_rows)
     test_rows = tokenize(test_rows)
     if val_rows is not None:
@@ -1888,28 +1969,81 @@ def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, e
     path = os.path.join(folder, "state.pt")
     torch.save(state, f"{path}.tmp")
     os.replace(f"{path}.tmp", path)
-    every = set(glob.glob(os.path.join(glob.escape(out), "checkpoint-*")))
-    for old in every - set(checkpoints(out)[-2:]):  # the two newest complete ones stay
+    # the two newest complete ones stay; a save cut short goes too (a user's checkpoint-best/ not)
+    for old in set(step_folders(out).values()) - set(checkpoints(out)[-2:]):
         shutil.rmtree(old)
+
+
+def step_folders(out):
+    """{step: folder} of the checkpoint-<step>/ folders of a run, complete or cut short. A folder
+    named otherwise (a user's checkpoint-best/ or checkpoint-final/) is none of them."""
+    folders = {}
+    for folder in glob.glob(os.path.join(glob.escape(out), "checkpoint-*")):
+        name = re.fullmatch(r"checkpoint-(0|[1-9][0-9]*)", os.path.basename(folder))
+        if name and os.path.isdir(folder):
+            folders[int(name[1])] = folder
+    return folders
 
 
 def checkpoints(out):
     """The complete checkpoint folders of a run (state.pt written), oldest first."""
-    done = glob.glob(os.path.join(glob.escape(out), "checkpoint-*", "state.pt"))
-    return sorted((os.path.dirname(p) for p in done), key=lambda d: int(d.rsplit("-", 1)[1]))
+    folders = step_folders(out)
+    return [folders[step] for step in sorted(folders)
+            if os.path.isfile(os.path.join(folders[step], "state.pt"))]
+
+
+# what each field of state.pt must be (save_checkpoint writes them; dppo.py adds "history")
+STATE_FIELDS = {
+    "step": ("an int in [1, 2^20)", lambda v: type(v) is int and 1 <= v < 2 ** 20),
+    "cursor": ("an int >= 0", lambda v: type(v) is int and v >= 0),
+    "optimizer": ("AdamW's state_dict", lambda v: isinstance(v, dict)
+                  and isinstance(v.get("state"), dict) and isinstance(v.get("param_groups"), list)),
+    "scheduler": ("a scheduler's state_dict", lambda v: isinstance(v, dict)),
+    "train_s": ("a finite number >= 0",
+                lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0),
+    "history": ("{row: tied} of ints and bools", lambda v: isinstance(v, dict) and all(
+        type(row) is int and type(tied) is bool for row, tied in v.items())),
+}
 
 
 def read_checkpoint(folder):
-    """state.pt, weights_only: a shared run folder must not run code here."""
+    """state.pt, weights_only (a shared run folder must not run code here), every field checked
+    before anything in the run folder is written (the optimiser against the model: setup)."""
     try:
         state = torch.load(os.path.join(folder, "state.pt"), map_location="cpu", weights_only=True)
     except Exception as e:
         die(f"--resume: {folder} is damaged or is not a checkpoint this code wrote ({e!r:.300})")
+    if not isinstance(state, dict):
+        die(f"--resume: {folder}/state.pt holds no dict: not a checkpoint this code wrote")
     missing = [k for k in ("step", "cursor", "optimizer", "scheduler") if k not in state]
     if missing:
         die(f"--resume: {folder}/state.pt lacks {', '.join(missing)}: not a checkpoint this code "
             "wrote")
+    for name, (want, ok) in STATE_FIELDS.items():
+        if name in state and not ok(state[name]):
+            die(f"--resume: {folder}/state.pt's {name} must be {want} (got {state[name]!r:.60}): "
+                "not a checkpoint this code wrote")
     return state
+
+
+def load_optimizer_state(optimizer, scheduler, state, folder):
+    """The optimiser's and the scheduler's state from a checkpoint, once its groups and each
+    parameter's moments match the model (torch checks the counts, not the shapes); else one
+    line."""
+    saved = state["optimizer"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    try:
+        ids = [i for group in saved["param_groups"] for i in group["params"]]
+        moments = [(t.shape, p.shape) for i, p in zip(ids, params)
+                   for t in saved["state"].get(i, {}).values() if torch.is_tensor(t) and t.dim()]
+        if len(ids) != len(params) or any(a != b for a, b in moments):
+            raise ValueError(f"{len(ids)} parameters saved, {len(params)} in the model, or "
+                             "their shapes differ")
+        optimizer.load_state_dict(saved)
+        scheduler.load_state_dict(state["scheduler"])
+    except Exception as e:
+        die(f"--resume: {folder}/state.pt's optimizer does not match the model ({e!r:.200}): "
+            "not a checkpoint of this run")
 
 
 def open_metrics(out, resume_step=None):
@@ -1990,6 +2124,13 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     --time_budget spent."""
     args = run.args
     done = row["step"]
+    broken = [k for k in ("loss", "grad_norm") if k in row and not math.isfinite(row[k])]
+    if broken:  # policy_update did not apply it: the weights and checkpoints are the last good
+        kept = checkpoints(args.out)
+        kept = f"its last checkpoint, {kept[-1]}, is as it was" if kept else "no checkpoint yet"
+        die(f"step {done}: the update's {' and '.join(broken)} is not finite ("
+            f"{', '.join(f'{k} {row[k]}' for k in broken)}), so it was not applied and the run "
+            f"stops ({kept}): a smaller --lr, or a reward of smaller size")
     row["tokens_per_s"] = row["tokens"] / row["step_s"]
     if torch.cuda.is_available():  # torch's peak since the last step (vLLM's share too)
         row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -2047,9 +2188,9 @@ class VerifyTimeout(BaseException):
     """math_reward's alarm: a BaseException, so sympy's `except Exception` cannot swallow it."""
 
 
-class RewardTimeout(BaseException):
-    """The alarm of one reward() call (--reward_timeout): not a VerifyTimeout, so that a
-    math_reward inside the call does not take it for its own."""
+class CallTimeout(BaseException):
+    """The alarm of one reward() or prompt() call (--reward_timeout): not a VerifyTimeout, so that
+    a math_reward inside the call does not take it for its own."""
 
 
 @contextlib.contextmanager
@@ -2096,10 +2237,10 @@ def call_reward(reward, text, row, where, seconds, counts):
     tensor of more than one element) stops the run with one line."""
     try:
         if seconds <= 0:  # (checked here too: no alarm stops a call in another thread)
-            raise RewardTimeout()
-        with time_limit(seconds, RewardTimeout):
+            raise CallTimeout()
+        with time_limit(seconds, CallTimeout):
             value = reward(text, row)
-    except RewardTimeout:
+    except CallTimeout:
         counts["capped"] += 1
         return math.nan
     except Exception as e:
@@ -2108,20 +2249,34 @@ def call_reward(reward, text, row, where, seconds, counts):
         value = value.item()  # a bool tensor's is a bool: refused below
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         user_error("reward", reward, where, row, f"returned {value!r:.80}, not a finite number")
+    if abs(value) > FLOAT32_MAX:  # the trainer's rewards are float32: inf there, NaN weights
+        user_error("reward", reward, where, row, f"returned {value!r:.80}, outside float32's "
+                   f"range (|r| <= {FLOAT32_MAX:.3g})")
     return float(value)
 
 
-def call_prompt(prompt, row, template, where):
-    """prompt(row, template): chat messages, a non-empty list of {"role", "content"}; anything
-    else, or an exception, stops the run with one line."""
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def call_prompt(prompt, row, template, where, seconds=REWARD_TIMEOUT_S):
+    """prompt(row, template) within `seconds`: chat messages, a non-empty list of {"role",
+    "content"} whose values are strings; anything else, an exception or a call past `seconds`
+    stops the run with one line. (Whether the chat template takes each role: prompt_token_ids.)"""
     try:
-        messages = prompt(row, template)
+        with time_limit(seconds, CallTimeout):
+            messages = prompt(row, template)
+    except CallTimeout:
+        user_error("prompt", prompt, where, row, f"took over --reward_timeout {seconds:g} s")
     except Exception as e:
         user_error("prompt", prompt, where, row, f"raised {e!r}", e.__traceback__)
     ok = isinstance(messages, list) and len(messages) > 0
     if not ok or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages):
         user_error("prompt", prompt, where, row,
                    f"returned {messages!r:.80}, not a list of {{'role', 'content'}} messages")
+    for m in messages:
+        if not (isinstance(m["role"], str) and isinstance(m["content"], str)):
+            user_error("prompt", prompt, where, row, f"returned the message {m!r:.80}, whose "
+                       "role and content must be strings")
     return messages
 
 

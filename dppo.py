@@ -124,8 +124,9 @@ class Args:
                          choices=["none", "wandb", "trackio"])
     time_budget: float = arg(0.0, "end the run once its summed step times reach this many "
                                   "seconds (0: off)")
-    reward_timeout: float = arg(10.0, "seconds one reward() call may take: a slower answer is "
-                                      "left unread (reward_capped), or scores 0 in evaluation")
+    reward_timeout: float = arg(10.0, "seconds one reward() call may take (a slower answer is "
+                                      "left unread: reward_capped; 0 in evaluation), or one "
+                                      "prompt() call (a slower one stops the run)")
     trust_remote_code: bool = arg(False, "allow model code from the hub (only if you trust it; "
                                          "packing needs it to honour position ids)")
 

@@ -100,6 +100,22 @@ ARCH_CONFIGS = {  # name -> (transformers config class name, its fields)
     "glm4": ("Glm4Config", dict(num_key_value_heads=1, head_dim=32)),
     "phi3": ("Phi3Config", dict(num_key_value_heads=1, sliding_window=WINDOW)),
 }
+# Architectures outside the zoo's packed-equals-alone test: models whose configs train with
+# dropout (rates 0.1, as GPT-2's and OPT's defaults), Llama 4 (chunked attention; its CausalLM's
+# decoder is not found by get_decoder) and BLOOM (ALiBi: no position ids, no attention interface)
+OTHER_CONFIGS = {
+    "gpt2": ("GPT2Config", dict(n_layer=2, n_head=2, n_embd=64, resid_pdrop=0.1, embd_pdrop=0.1,
+                                attn_pdrop=0.1)),
+    "opt": ("OPTConfig", dict(num_attention_heads=2, ffn_dim=128, word_embed_proj_dim=64,
+                              dropout=0.1, attention_dropout=0.1, layerdrop=0.1)),
+    "starcoder2": ("Starcoder2Config", dict(num_key_value_heads=1, residual_dropout=0.1,
+                                            embedding_dropout=0.1, attention_dropout=0.1)),
+    "llama4": ("Llama4TextConfig", dict(num_key_value_heads=1, head_dim=32, num_local_experts=2,
+                                        num_experts_per_tok=1, intermediate_size_mlp=128,
+                                        attention_chunk_size=8, interleave_moe_layer_step=1)),
+    "bloom": ("BloomConfig", dict(n_layer=2, n_head=2)),
+}
+DROPOUT_ARCHS = ["gpt2", "opt", "starcoder2"]
 POST_HEAD = {"gemma2", "cohere", "granite", "phi"}  # their logits are not hidden @ lm_head.T
 WINDOWED = {"mistral", "gemma2", "qwen3", "gemma3", "gpt_oss", "mixtral", "olmo3", "phi3"}
 
@@ -110,7 +126,7 @@ def build_arch(folder, arch, lm_head_scale=20.0, seed=0, **overrides):
     several units and every post-head touch moves the log-probs visibly."""
     import transformers
     from transformers import AutoModelForCausalLM
-    config_class, fields = ARCH_CONFIGS[arch]
+    config_class, fields = {**ARCH_CONFIGS, **OTHER_CONFIGS}[arch]
     config = getattr(transformers, config_class)(**{**_BASE, **fields, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -3,15 +3,24 @@ short ignored, state.pt read weights_only (also when a GPU run wrote it), and a 
 short by a kill dropped on resume."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
-from common import checkpoints, make_optimizer, open_metrics, read_checkpoint, save_checkpoint
+from common import (checkpoints, load_optimizer_state, make_optimizer, open_metrics, read_checkpoint,
+                    save_checkpoint)
 
 
 def listing(out):
     return sorted(os.listdir(out), key=lambda name: int(name.rsplit("-", 1)[1]))
+
+
+def tree(folder):
+    """{relative path: bytes} of every file under `folder`."""
+    return {os.path.relpath(os.path.join(top, name), folder): open(os.path.join(top, name),
+                                                                   "rb").read()
+            for top, _, files in os.walk(folder) for name in files}
 
 
 def test_the_two_newest_checkpoints_are_kept_in_step_order(tiny, tmp_path):
@@ -144,3 +153,79 @@ def test_a_checkpoint_written_on_a_gpu_resumes_on_this_device(tiny, tmp_path, mo
     assert got.keys() == want.keys() and all(got[k].device == device
                                              for k in ("exp_avg", "exp_avg_sq"))
     assert all(torch.equal(got[k].cpu(), want[k].cpu()) for k in want)
+
+
+def test_a_users_own_checkpoint_folder_is_never_read_as_one_nor_pruned(tiny, tmp_path):
+    """checkpoint-final/ and checkpoint-best/ (a user's copies of step 2, state.pt and all) in a run
+    folder: checkpoints() lists only checkpoint-<step>/ (no int('final') traceback), and the
+    pruning of old checkpoints, which keeps the two newest of the run's own, leaves them byte for
+    byte."""
+    model, tokenizer = tiny
+    out = str(tmp_path / "run")
+    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
+    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=2, cursor=16)
+    for copy in ("checkpoint-final", "checkpoint-best", "checkpoint-02"):
+        shutil.copytree(os.path.join(out, "checkpoint-2"), os.path.join(out, copy))
+    theirs = {copy: tree(os.path.join(out, copy)) for copy in ("checkpoint-final",
+                                                               "checkpoint-best",
+                                                               "checkpoint-02")}
+    assert checkpoints(out) == [os.path.join(out, "checkpoint-2")]
+    for step in (3, 4, 5):
+        save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=step, cursor=8 * step)
+    assert checkpoints(out) == [os.path.join(out, "checkpoint-4"), os.path.join(out, "checkpoint-5")]
+    assert {copy: tree(os.path.join(out, copy)) for copy in theirs} == theirs
+
+
+@pytest.mark.parametrize("field,value,want", [
+    ("step", "3", "an int in [1, 2^20)"), ("step", 0, "an int in [1, 2^20)"),
+    ("step", True, "an int in [1, 2^20)"), ("cursor", -8, "an int >= 0"),
+    ("cursor", 8.0, "an int >= 0"), ("train_s", float("nan"), "a finite number >= 0"),
+    ("train_s", -1.0, "a finite number >= 0"), ("optimizer", [], "AdamW's state_dict"),
+    ("optimizer", {"state": {}}, "AdamW's state_dict"), ("scheduler", 3, "a scheduler's"),
+    ("history", {"3": True}, "{row: tied} of ints and bools"),
+    ("history", {3: 1}, "{row: tied} of ints and bools"),
+])
+def test_every_field_of_a_state_file_is_checked(tiny, tmp_path, capsys, field, value, want):
+    """A state.pt whose field has the wrong type or range: one line naming the field, exit 2, at
+    read_checkpoint (setup's first act, before anything in the run folder is written)."""
+    model, tokenizer = tiny
+    out = str(tmp_path / "run")
+    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
+    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=1, cursor=8,
+                    extra={"train_s": 1.5, "history": {0: True}})
+    folder = checkpoints(out)[-1]
+    read_checkpoint(folder)  # as written: fine
+    torch.save({**read_checkpoint(folder), field: value}, os.path.join(folder, "state.pt"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        read_checkpoint(folder)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: --resume: {folder}/state.pt's {field} must be {want}"), err
+
+
+def test_an_optimizer_state_of_another_model_is_one_line(tiny, tmp_path, capsys):
+    """The optimiser's groups and each parameter's moments must match the model's: torch's
+    load_state_dict checks the counts (a traceback) and not the shapes (a crash at the first
+    step); both are one line here. The run's own loads."""
+    model, tokenizer = tiny
+    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    optimizer.zero_grad()
+    save_checkpoint(str(tmp_path), model, tokenizer, optimizer, scheduler, step=1, cursor=8)
+    folder = checkpoints(str(tmp_path))[-1]
+    state = read_checkpoint(folder)
+    load_optimizer_state(optimizer, scheduler, state, folder)
+    fewer = {**state["optimizer"], "param_groups": [{**state["optimizer"]["param_groups"][0],
+                                                     "params": [0, 1]}]}
+    reshaped = {**state["optimizer"], "state": {**state["optimizer"]["state"]}}
+    reshaped["state"][0] = {k: v if v.dim() == 0 else v[:1] for k, v in reshaped["state"][0].items()}
+    for saved in (fewer, reshaped):
+        with pytest.raises(SystemExit) as e:
+            load_optimizer_state(optimizer, scheduler, {**state, "optimizer": saved}, folder)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"error: --resume: {folder}/state.pt's optimizer does not match "
+                                 "the model"), err

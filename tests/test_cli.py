@@ -4,6 +4,7 @@ and an interrupted run resumed with --resume continues at the right step with th
 Refused inputs run main() in this process (main_of); runs that train, and the hub test (which sets
 HF_HUB_OFFLINE before transformers is imported), run `python grpo.py`."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -372,12 +373,11 @@ def no_number(completion, row):
 def test_a_reward_that_returns_no_number_stops_at_step_0_and_the_command_runs_again(
         tmp_path, main_of, monkeypatch):
     """A reward() that returns no finite number stops the run at the step-0 evaluation, before
-    any training: one line, exit 2, and --out as it was (the folder the run made removed, a folder
-    that was there keeps its own files), so that the same command runs once reward() is fixed."""
+    any training: one line, exit 2, and --out as it was (the folder the run made removed, an empty
+    folder that was there left there), so that the same command runs once reward() is fixed."""
     import grpo
-    mine = tmp_path / "mine"
+    mine = tmp_path / "mine"  # an empty folder of the user's
     mine.mkdir()
-    (mine / "notes.txt").write_text("kept")
     made = tmp_path / "new" / "run"
     command = SMALL + ["--rollout", "hf", "--steps", "1", "--eval_every", "0", "--eval_n", "4"]
     monkeypatch.setattr(grpo, "reward", no_number)
@@ -389,7 +389,7 @@ def test_a_reward_that_returns_no_number_stops_at_step_0_and_the_command_runs_ag
         assert errors[0].startswith(f"error: reward() returned None, not a finite number ({where})"
                                     ", on toy train row 0: {"), errors
         assert "step 0: eval accuracy" not in result.stdout and "done:" not in result.stdout
-    assert not (tmp_path / "new").exists() and os.listdir(mine) == ["notes.txt"]
+    assert not (tmp_path / "new").exists() and os.listdir(mine) == []
     monkeypatch.undo()  # reward() fixed: the same command
     result = main_of("grpo", command + ["--out", str(made)])
     assert result.returncode == 0 and [r["step"] for r in rows(made)] == [0, 1], result.stderr
@@ -434,3 +434,96 @@ def test_resume_refuses_another_methods_run(one_step_run, tmp_path, main_of, met
     assert line == (f"error: --resume {str(out)!r} is a grpo run: grpo.py resumes it, not "
                     f"{method}.py")
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+
+def files_of(folder):
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_out_naming_the_model_folder_is_refused_and_the_model_left_as_it_was(tmp_path, main_of):
+    """`--model M --out M`: M holds a model, not a run of this code: one line, exit 2, before
+    anything loads, and every byte of M as it was (it used to be trained into, its config.json
+    overwritten by the run's)."""
+    model = tmp_path / "model"
+    shutil.copytree(os.path.join(REPO, "toy", "model"), model)
+    before = files_of(model)
+    line = one_line(main_of("grpo", SMALL + ["--rollout", "hf", "--steps", "1", "--model",
+                                             str(model), "--out", str(model)]))
+    assert f"--out {str(model)!r} holds files that are not a run of this code" in line, line
+    assert files_of(model) == before
+
+
+@pytest.mark.parametrize("damage", ["cursor", "optimizer"])
+def test_resume_of_a_bad_state_file_leaves_every_file_of_the_run(one_step_run, tmp_path, main_of,
+                                                                  damage):
+    """state.pt with a negative cursor (it used to fail after config.json and metrics.jsonl were
+    rewritten), or with an optimiser whose moments have another model's shapes: one line, exit 2,
+    every file of the run folder as it was."""
+    import torch
+    out = tmp_path / "run"
+    shutil.copytree(one_step_run, out)
+    path = out / "checkpoint-1" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    if damage == "cursor":
+        state["cursor"] = -8
+    else:
+        moments = state["optimizer"]["state"][0]
+        state["optimizer"]["state"][0] = {k: v if v.dim() == 0 else v[:2] for k, v in
+                                          moments.items()}
+    torch.save(state, path)
+    before = files_of(out)
+    result = main_of("grpo", ["--resume", str(out), "--steps", "2"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert {"cursor": "state.pt's cursor must be an int >= 0",
+            "optimizer": "state.pt's optimizer does not match the model"}[damage] in errors[0]
+    assert files_of(out) == before
+
+
+def test_a_users_checkpoint_copy_in_the_run_folder_survives_the_run(one_step_run, tmp_path):
+    """A user's checkpoint-final/ (a copy of checkpoint-1) in a run resumed for three more steps,
+    saving at each: the resume takes the run's own checkpoint-1, the pruning keeps the two newest
+    of the run's own, and the copy is left byte for byte."""
+    out = tmp_path / "run"
+    shutil.copytree(one_step_run, out)
+    shutil.copytree(out / "checkpoint-1", out / "checkpoint-final")
+    theirs = files_of(out / "checkpoint-final")
+    result = run(["--resume", str(out), "--steps", "4", "--save_every", "1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in rows(out)] == [0, 1, 2, 3, 4]
+    assert checkpoints(str(out)) == [str(out / "checkpoint-3"), str(out / "checkpoint-4")]
+    assert files_of(out / "checkpoint-final") == theirs
+
+
+def test_a_step_whose_loss_is_not_finite_never_reaches_the_weights(tmp_path, main_of,
+                                                                     monkeypatch):
+    """A non-finite loss at step 2 (here made so: the loss of every token is NaN from the second
+    update on): the optimiser is not stepped, the run stops with one line naming step 2 and the
+    cause, exit 2, and the last good checkpoint (step 1) and the metrics are as they were."""
+    import common
+    import torch
+    loss = common.token_loss
+    calls = []
+
+    def nan_from_the_second_update(*args, **kwargs):
+        calls.append(1)
+        losses, kl, clipped = loss(*args, **kwargs)
+        return losses * (math.nan if len(calls) > 1 else 1.0), kl, clipped
+    monkeypatch.setattr(common, "token_loss", nan_from_the_second_update)
+    out = tmp_path / "run"
+    steps = []
+    step = common.torch.optim.AdamW.step
+    monkeypatch.setattr(common.torch.optim.AdamW, "step", lambda self, *a: steps.append(1)
+                        or step(self, *a))
+    result = main_of("grpo", SMALL + ["--rollout", "hf", "--steps", "3", "--save_every", "1",
+                                      "--eval_every", "0", "--out", str(out)])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith("error: step 2: the update's loss and grad_norm is not finite "
+                                "(loss nan, grad_norm nan), so it was not applied"), errors
+    assert f"its last checkpoint, {out / 'checkpoint-1'}, is as it was" in errors[0], errors
+    assert len(steps) == 1  # step 1's update only
+    assert checkpoints(str(out)) == [str(out / "checkpoint-1")]
+    assert [r["step"] for r in rows(out)] == [0, 1]
+    saved = torch.load(out / "checkpoint-1" / "state.pt", weights_only=True)
+    assert saved["step"] == 1

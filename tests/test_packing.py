@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (_BASE, ARCH_CONFIGS, POST_HEAD, TINY_VOCAB, WINDOW, WINDOWED,
-                      RecordingOptimizer, assert_grads_close, build_arch, make_samples)
+from conftest import (_BASE, ARCH_CONFIGS, DROPOUT_ARCHS, POST_HEAD, TINY_VOCAB, WINDOW,
+                      WINDOWED, RecordingOptimizer, assert_grads_close, build_arch, make_samples)
 
 import common
 from common import (Packed, Passes, Sample, check_packing, chunked_logprobs, first_slots,
@@ -183,7 +183,7 @@ def test_packed_logprobs_and_gradients_equal_alone_across_the_zoo(tiny_dir, arch
     got.sum().backward()
     assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want_grads)
     model.zero_grad()
-    passes = check_packing(model, Passes(1.0, vocab, 4096, shared=shared), "varlen", 64)
+    passes, _ = check_packing(model, Passes(1.0, vocab, 4096, shared=shared), "varlen", 64)
     assert passes.packed and passes.shared is shared
     if shared:
         return
@@ -249,7 +249,7 @@ def test_eager_runs_gpt_oss_one_sequence_a_forward(arch_dir):
         leaky = packed_logprobs(model, samples, 1.0, TINY_VOCAB)
         want = alone_logprobs(model, samples, TINY_VOCAB)
     assert (leaky - want).abs().max() > 1e-3  # packed, eager attends across the row
-    passes = check_packing(model, Passes(1.0, TINY_VOCAB, 4096, shared=False), "eager", 64)
+    passes, _ = check_packing(model, Passes(1.0, TINY_VOCAB, 4096, shared=False), "eager", 64)
     assert not passes.packed and model.training
     stats = policy_update(model, RecordingOptimizer(model), samples, passes, clip=(0.2, 0.2),
                           beta=0.0, grad_clip=1e9)
@@ -295,7 +295,7 @@ def test_a_model_with_other_token_mixers_is_refused_by_varlen_and_run_alone_by_e
             check_packing(model, passes, attn, 64)
         assert stop.value.code == 2
         return
-    assert not check_packing(model, passes, attn, 64).packed
+    assert not check_packing(model, passes, attn, 64)[0].packed
 
 
 def test_the_start_up_check_stops_a_varlen_run_whose_packed_step_is_wrong(arch_dir, monkeypatch,
@@ -305,7 +305,7 @@ def test_the_start_up_check_stops_a_varlen_run_whose_packed_step_is_wrong(arch_d
     and the check stops with one line naming the architecture and --attn eager, exit 2."""
     model = load_model(arch_dir("mistral"), torch.device("cpu"), attn="varlen")
     passes = Passes(1.0, TINY_VOCAB, 4096, shared=True)
-    assert check_packing(model, passes, "varlen", 64).packed
+    assert check_packing(model, passes, "varlen", 64)[0].packed
     unwindowed = common.shared_mask
     monkeypatch.setattr(common, "shared_mask",
                         lambda kb, own, q, k, window=None: unwindowed(kb, own, q, k))
@@ -317,7 +317,96 @@ def test_the_start_up_check_stops_a_varlen_run_whose_packed_step_is_wrong(arch_d
     assert stop.value.code == 2 and err.count("\n") == 0
     assert "MistralForCausalLM" in err and "--attn eager" in err
     # a run whose sequences never pass the window probes short, and passes
-    assert check_packing(model, passes, "varlen", WINDOW).packed
+    assert check_packing(model, passes, "varlen", WINDOW)[0].packed
+
+
+@pytest.mark.parametrize("attn", ["varlen", "eager", "sdpa"])
+@pytest.mark.parametrize("arch", DROPOUT_ARCHS)
+def test_no_dropout_in_the_trainers_passes(arch_dir, arch, attn):
+    """GPT-2, OPT (layerdrop too) and Starcoder2 configs with dropout 0.1: the trainer's log-probs,
+    in train mode with gradients (gradient checkpointing on or off), packed as the start-up check
+    allows, equal the model's own in eval mode (1e-4); and step 1 on tied groups (every advantage
+    0, the policy still the reference) has kl 0 and gradient norm 0, not what dropout would give
+    (kl 0.17-0.23, a gradient norm of 0.3-0.6)."""
+    from transformers import AutoModelForCausalLM
+    folder = arch_dir(arch)
+    samples = make_samples(TINY_VOCAB, seed=1)
+    own = AutoModelForCausalLM.from_pretrained(folder).eval()  # dropout as configured, eval mode
+    with torch.no_grad():
+        want = alone_logprobs(own, samples, TINY_VOCAB)
+    for grad_ckpt in (False, True):
+        model = load_model(folder, torch.device("cpu"), attn=attn, grad_ckpt=grad_ckpt)
+        assert model.training and model.is_gradient_checkpointing == grad_ckpt
+        passes, _ = check_packing(model, Passes(1.0, TINY_VOCAB, 4096, shared=attn == "varlen"),
+                                  attn, 64)
+        got = packed_logprobs(model, samples, 1.0, TINY_VOCAB, shared=passes.shared,
+                              packed=passes.packed)
+        assert got.requires_grad
+        torch.testing.assert_close(got.detach(), want, atol=1e-4, rtol=0)
+    ref = load_model(folder, torch.device("cpu"), attn=attn, frozen=True)
+    for sample, ref_logps in zip(samples, sequence_logprobs(ref, samples, passes)):
+        sample.advantage = 0.0  # every group tied
+        sample.ref_logps = ref_logps
+    stats = policy_update(model, RecordingOptimizer(model), samples, passes, clip=(0.2, 0.2),
+                          beta=0.04)
+    assert stats["kl"] < 1e-7 and stats["grad_norm"] < 1e-6, stats
+
+
+def test_llama_4_and_bloom_are_run_alone_by_eager_and_their_advice_is_never_circular(
+        arch_dir, tiny_dir, monkeypatch, capsys):
+    """Llama 4 (chunked attention layers) and BLOOM (ALiBi, whose mask varlen cannot hand it) are
+    refused by --attn varlen with --attn eager as the way out, and --attn eager runs each sequence
+    alone, exactly (Llama 4's CausalLM has no decoder get_decoder() finds: its own logits are
+    read). Where eager itself fails, or the probe differs only in train mode, the line says that
+    and never advises the mode it is in."""
+    from transformers import AutoModelForCausalLM
+    samples = make_samples(TINY_VOCAB, seed=2)
+    for arch, name in (("llama4", "Llama4ForCausalLM"), ("bloom", "BloomForCausalLM")):
+        with pytest.raises(SystemExit) as stop:
+            check_packing(load_model(arch_dir(arch), torch.device("cpu"), attn="varlen"),
+                          Passes(1.0, TINY_VOCAB, 4096, shared=True), "varlen", 64)
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and name in err and "--attn eager" in err, err
+        model = load_model(arch_dir(arch), torch.device("cpu"), attn="eager")
+        passes, found = check_packing(model, Passes(1.0, TINY_VOCAB, 4096), "eager", 64)
+        assert not passes.packed and found["max_error_nats"] < 1e-5
+        own = AutoModelForCausalLM.from_pretrained(arch_dir(arch)).eval()
+        with torch.no_grad():
+            want = alone_logprobs(own, samples, TINY_VOCAB)
+        got = packed_logprobs(model, samples, 1.0, TINY_VOCAB, packed=False)
+        torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=0)
+    # eager's own forward fails as the trainer calls it: said so, no advice to use eager
+    model = load_model(tiny_dir, torch.device("cpu"), attn="eager")
+
+    def failing(*args, **kwargs):
+        raise TypeError("no position ids here")
+    monkeypatch.setattr(common, "packed_logprobs", failing)
+    with pytest.raises(SystemExit):
+        check_packing(model, Passes(1.0, TINY_VOCAB, 4096), "eager", 64)
+    err = capsys.readouterr().err.strip()
+    assert "no position ids here" in err and "--attn eager runs" not in err, err
+    monkeypatch.undo()
+    # noise in train mode only (as a dropout no_dropout does not know): said so, for every mode
+    noisy = model.get_decoder().norm.register_forward_hook(
+        lambda module, args, out: out + torch.randn_like(out) if module.training else out)
+    for attn in ("eager", "varlen"):
+        model.set_attn_implementation(attn)
+        with pytest.raises(SystemExit):
+            check_packing(model, Passes(1.0, TINY_VOCAB, 4096), attn, 64)
+        err = capsys.readouterr().err.strip()
+        assert "in train mode its log-probs change" in err and "--attn eager" not in err, err
+    noisy.remove()
+    # each sequence alone still differs under eager: no mode left to advise
+    want = common.eager_logprobs
+
+    def shifted(*args):
+        logps, noise = want(*args)
+        return logps + 0.5, noise
+    monkeypatch.setattr(common, "eager_logprobs", shifted)
+    with pytest.raises(SystemExit):
+        check_packing(model, Passes(1.0, TINY_VOCAB, 4096), "eager", 64)
+    err = capsys.readouterr().err.strip()
+    assert "no --attn mode here" in err and "--attn eager runs" not in err, err
 
 
 def test_a_model_that_soft_caps_attention_is_refused_by_varlen(tmp_path):
@@ -529,15 +618,19 @@ def test_a_packed_micro_batch_never_builds_a_dense_t_by_t_tensor(tiny_dir, tiny,
 
 def test_attention_dropout_trains_with_varlen_and_packs_exactly_in_eval_mode(tiny_dir, tiny,
                                                                              tmp_path):
-    """Attention dropout is applied by sdpa inside each bucket: no refusal. A model whose config
-    asks for 0.1 loads with --attn varlen in train mode, its train-mode packed passes are stochastic
-    (the dropout acts), an AdamW step through policy_update changes its weights; in eval mode its
-    packed log-probs equal the alone ones and those of the same weights without dropout."""
+    """Attention dropout handed to the varlen attention is applied by sdpa inside each bucket (the
+    scripts' load_model sets every rate to 0: test_no_dropout_in_the_trainers_passes; a model
+    loaded otherwise keeps its own). A model whose config asks for 0.1, loaded with --attn varlen
+    in train mode: its train-mode packed passes are stochastic (the dropout acts), an AdamW step
+    through policy_update changes its weights; in eval mode its packed log-probs equal the alone
+    ones and those of the same weights without dropout."""
+    from transformers import AutoModelForCausalLM
     folder = tmp_path / "dropout"
     shutil.copytree(tiny_dir, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
-    model = load_model(str(folder), torch.device("cpu"), attn="varlen")
+    assert load_model(str(folder), torch.device("cpu")).config.attention_dropout == 0.0
+    model = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="varlen").train()
     assert (model.training and model.config.attention_dropout == 0.1
             and model.config._attn_implementation == "varlen")
     vocab = len(tiny[1])

@@ -345,8 +345,8 @@ def test_time_limits_nest():
     inner whose code swallows every one of its own."""
     for inner in ("ends early", "expires outside", "caught", "swallowed"):
         t0 = time.monotonic()
-        with pytest.raises(common.RewardTimeout):
-            with common.time_limit(0.3, common.RewardTimeout):
+        with pytest.raises(common.CallTimeout):
+            with common.time_limit(0.3, common.CallTimeout):
                 try:
                     with common.time_limit(5.0 if inner == "expires outside" else 0.1):
                         if inner == "swallowed":
@@ -393,13 +393,12 @@ def test_out_is_made_before_loading_and_taken_back_by_a_refusal(tmp_path, monkey
         parse_args(Flags, "m", "", argv=["--resume", str(tmp_path / "no_run")])
     assert os.path.isdir(out)
     shutil.rmtree(tmp_path / "a")
-    mine = tmp_path / "mine"
+    mine = tmp_path / "mine"  # an empty folder of the user's: used, and left there
     mine.mkdir()
-    (mine / "notes.txt").write_text("kept")
     parse_args(Flags, "m", "", argv=["--out", str(mine)])
     with pytest.raises(SystemExit):
         common.die("a check")
-    assert os.listdir(mine) == ["notes.txt"]
+    assert os.path.isdir(mine) and os.listdir(mine) == []
     # a folder that takes no file (as /sys may, to root) is one line, and is taken back
     monkeypatch.setattr(common.tempfile, "TemporaryFile", lambda dir: open(dir))
     capsys.readouterr()
@@ -408,3 +407,86 @@ def test_out_is_made_before_loading_and_taken_back_by_a_refusal(tmp_path, monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --out {str(out)!r} cannot be written (Is a directory)"], err
     assert not (tmp_path / "a").exists()
+
+
+def snapshot(folder):
+    """{relative path: bytes} of every file under `folder`, and each folder's listing."""
+    found = {}
+    for top, dirs, files in os.walk(folder):
+        found[os.path.relpath(top, folder)] = sorted(dirs + files)
+        for name in files:
+            path = os.path.join(top, name)
+            found[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return found
+
+
+@pytest.mark.parametrize("holds", ["a model", "a dataset", "a home folder", "another config.json"])
+def test_an_out_that_holds_anything_but_a_run_is_refused_and_left_byte_identical(
+        tmp_path, tiny_dir, capsys, holds):
+    """--out is a new or empty folder, or a run of this code (refused with --resume's advice,
+    tests/test_cli.py): a folder holding a model, a dataset, dot files or another program's
+    config.json is refused with one line, exit 2, before anything loads, and stays as it was."""
+    folder = tmp_path / "theirs"
+    if holds == "a model":
+        shutil.copytree(tiny_dir, folder)
+    else:
+        folder.mkdir()
+        name, text = {"a dataset": ("train.jsonl", '{"question": "q", "answer": "1"}\n'),
+                      "a home folder": (".bashrc", "alias ll='ls -l'\n"),
+                      "another config.json": ("config.json", '{"method": "sgd", "lr": 1}')}[holds]
+        (folder / name).write_text(text)
+    before = snapshot(folder)
+    with pytest.raises(SystemExit) as stop:
+        parse_args(Flags, "m", "", argv=["--out", str(folder)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: --out {str(folder)!r} holds files that are not a run of "
+                             "this code"), err
+    assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("value", [1e39, -3.5e38, float(np.float64(1e300))])
+def test_a_reward_outside_float32s_range_is_one_line_naming_the_row(capsys, value):
+    """A finite reward too big for float32 would be inf in the trainer's rewards tensor, and NaN in
+    every weight: refused where it is returned, naming the row. float32's largest is paid."""
+    line, first = refused_reward(capsys, lambda: value)
+    assert line.startswith(f"error: reward() returned {value!r}, outside float32's range "
+                           f"(|r| <= 3.4e+38) (test_run_files.py:{first}), on rollout row 0: "), line
+    largest = float(torch.finfo(torch.float32).max)
+    assert common.score(["a"], [ROW], lambda text, row: -largest)[0] == [-largest]
+
+
+def test_a_prompt_must_give_string_messages_the_template_takes_in_time(capsys, tiny_dir):
+    """prompt()'s messages are checked as reward()'s value is: a content that is None or a number,
+    a role the chat template leaves out (Qwen2.5's drops an unknown one silently, as this one
+    does), or a call past --reward_timeout: one line naming prompt(), its line and the row, exit
+    2."""
+    tokenizer = common.load_tokenizer(tiny_dir)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant'] %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+    def prompt(row, template):
+        if template == "sleep":
+            time.sleep(5)
+        content = {"none": None, "number": 12, "role": "q"}.get(template, row["question"])
+        return [{"role": "narrator" if template == "role" else "user", "content": content}]
+    first = prompt.__code__.co_firstlineno
+    for template, what in [("none", "returned the message {'role': 'user', 'content': None}, "
+                                    "whose role and content must be strings"),
+                           ("number", "returned the message {'role': 'user', 'content': 12}"),
+                           ("role", "returned a 'narrator' message that the tokenizer's chat "
+                                    "template leaves out"),
+                           ("sleep", "took over --reward_timeout 0.2 s")]:
+        start = time.perf_counter()
+        with pytest.raises(SystemExit) as stop:
+            common.prompt_token_ids(tokenizer, [ROW], prompt, template, 100, timeout=0.2)
+        assert time.perf_counter() - start < 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"error: prompt() {what}"), err
+        assert f"(test_run_files.py:{first})" in err[0], err
+        assert ", on row 0: {'question'" in err[0], err
+    rows = common.prompt_token_ids(tokenizer, [ROW], prompt, "plain", 10**6, timeout=0.2)
+    assert tokenizer.decode(rows[0]["prompt_ids"]).count(ROW["question"]) == 1
