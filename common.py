@@ -176,6 +176,7 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
     `gold`, else 0.0."""
     from math_verify import LatexExtractionConfig, parse, verify  # (slow to import: on first use)
     counts = reward_tally(counts)  # its outcomes: no answer, a timeout, an error
+    counts["math_scored"] += 1  # (batch_metrics logs the outcomes of a step it scored)
     # the final answer; for a number gold, the single number it settles on ('82 + 57', the
     # question copied, or '138, 139', a hedge, settle on none: scored 0)
     answer = committed_answer(completion, gold, counts)
@@ -201,19 +202,20 @@ REWARD_BUDGET_S = 120.0  # a step's scoring time; math-verify's slowest answers 
 REWARD_TIMEOUT_S = 10.0  # one reward() call's time (--reward_timeout): math_reward's is 5 s
 
 
-def score(texts, rows, reward, timeout=REWARD_TIMEOUT_S, budget=REWARD_BUDGET_S, where="rollout"):
-    """reward(text, row) of each completion's text and its dataset row: (list of rewards, Counter
-    of outcomes). An answer whose call runs past `timeout` seconds, or past the `budget` of the
-    whole list, is left unread: NaN, counted as "capped", so that a degenerate policy cannot stall
-    a run; an unread answer teaches nothing and counts nowhere (group_advantages, batch_metrics).
-    A reward() that fails, or returns anything but a finite number, stops the run (call_reward)."""
+def score(texts, rows, reward, timeout=REWARD_TIMEOUT_S, budget=REWARD_BUDGET_S):
+    """reward(text, row) of each completion's text and its dataset row (r["row"] of each of `rows`,
+    as the file has it): (list of rewards, Counter of outcomes). An answer whose call runs past
+    `timeout` seconds, or past the `budget` of the whole list, is left unread: NaN, counted as
+    "capped", so that a degenerate policy cannot stall a run; an unread answer teaches nothing
+    and counts nowhere (group_advantages, batch_metrics). A reward() that fails, or returns
+    anything but a finite number, stops the run (call_reward)."""
     counts = collections.Counter()
     rewards = []
     deadline = time.perf_counter() + budget
     with tallying(counts):  # math_reward's outcomes (no answer, timeout, error) land in counts
-        for i, (text, row) in enumerate(zip(texts, rows)):
+        for text, r in zip(texts, rows):
             seconds = min(timeout, deadline - time.perf_counter())  # this call's, at most
-            rewards.append(call_reward(reward, text, row, f"{where} row {i}", seconds, counts))
+            rewards.append(call_reward(reward, text, r["row"], r["where"], seconds, counts))
     return rewards, counts
 
 
@@ -1393,11 +1395,30 @@ def arg(default, help, **argparse_kw):
 
 
 def recipe_arg(name, help, **argparse_kw):
-    """A flag whose default comes from the dataset's recipe (DATASETS, else RECIPE), as --help
-    says."""
-    recipes = [f"{d} {entry[name]}" for d, entry in DATASETS.items() if name in entry]
-    shown = ", ".join(recipes + [f"otherwise {RECIPE[name]}"]).replace(REPO + os.sep, "")
+    """A flag whose default comes from the run's recipe (recipe_of), as --help says."""
+    if name in ("model", "template"):  # the dataset's
+        shown = [f"--dataset {d}: {entry[name]}" for d, entry in DATASETS.items() if name in entry]
+    else:  # the model's
+        shown = [f"the {d} model: {entry[name]}" for d, entry in DATASETS.items()
+                 if "model" in entry]
+    shown = ", ".join(shown + [f"otherwise {RECIPE[name]}"]).replace(REPO + os.sep, "")
     return arg(None, help, shown=shown, **argparse_kw)
+
+
+def recipe_of(flags):
+    """(its name, the defaults it gives the flags left at None) of the run's recipe, which follows
+    the model: a built-in task's model (toy, chains) takes that task's recipe, whatever the data;
+    any other model RECIPE ("1.5B": sized for a 1.5B model on one GPU). The dataset gives the
+    template (GSM8K's, MATH's) and, for a built-in task, the model."""
+    data = DATASETS.get(flags["dataset"], {})
+    model = flags["model"] or data.get("model") or RECIPE["model"]
+    name, recipe = "1.5B", RECIPE
+    for task, entry in DATASETS.items():
+        if "model" in entry and os.path.abspath(model) == os.path.abspath(entry["model"]):
+            name, recipe = task, entry
+    values = {k: recipe[k] for k in RECIPE}
+    values.update(model=model, template=data.get("template", recipe["template"]))
+    return name, values
 
 
 def die(message):
@@ -1427,10 +1448,11 @@ def parse_args(cls, method, description, recipe=None, argv=None):
     if resume:
         defaults = resumed_flags(resume, typed["out"], method)
     else:  # the recipes fill only the flags left at None
-        recipes = {**RECIPE, **DATASETS.get(typed["dataset"], {})}
-        defaults = {k: v for k, v in recipes.items() if typed.get(k) is None}
-        if recipe:
+        name, recipe_values = recipe_of(typed)
+        defaults = {k: v for k, v in recipe_values.items() if typed.get(k) is None}
+        if recipe:  # the script's own (two_grpo.py's batch and rate, mmr_grpo.py's encoder)
             defaults.update(recipe(typed))
+        say_recipe(name, defaults, typed)
     # argparse's own defaults: a flag typed wins over them
     parser.set_defaults(**{k: v for k, v in defaults.items() if k in typed and v is not None})
     flags = vars(parser.parse_args(argv))
@@ -1448,6 +1470,16 @@ def parse_args(cls, method, description, recipe=None, argv=None):
     if not resume:
         check_new_out(flags["out"])
     return cls(**flags)
+
+
+def say_recipe(name, defaults, typed):
+    """The run's first line: which recipe filled the flags not given, and why."""
+    why = f"the {name} task's, for its model" if name in DATASETS else (
+        "sized for a 1.5B model on one GPU, for a model that is no built-in task's")
+    filled = [f"--{k} {v}" for k, v in defaults.items() if k in typed and k != "model"]
+    model = defaults.get("model", typed["model"])
+    print(f"recipe: {why} ({model}): {' '.join(filled) or 'every flag given'} (each a flag)"
+          .replace(REPO + os.sep, ""))
 
 
 def resumed_flags(folder, out, method):
@@ -1570,7 +1602,9 @@ TEMPLATES = {  # name -> (system prompt or None, user message with {question})
     "verl_math": (None, "{question} Let's think step by step and output the final answer within "
                         "\\boxed{}."),
 }
-# Defaults of flags left at None (steps 0: one epoch); hub datasets and local files: 1.5B on one GPU
+# Defaults of flags left at None (recipe_of): a built-in task's model takes its task's (DATASETS),
+# any other model this one, sized for a 1.5B model on one GPU (steps 0: one epoch). The model by
+# default: the dataset's, else the toy's (which takes the toy's recipe, whatever the data)
 RECIPE = dict(model=f"{REPO}/toy/model", template="plain", prompts_per_step=32, lr=1e-6,
               max_tokens=1024, steps=0, eval_every=50, eval_n=500)
 DATASETS = {
@@ -1588,8 +1622,9 @@ DATASETS = {
 
 
 def gold_answer(row):
-    """A row's reference answer: `answer` (after '####' for GSM8K), else `solution`'s last
-    \\boxed{}."""
+    """The built-in math reward's reference answer of a row (the scripts' default reward reads it):
+    its 'answer' (GSM8K's: the number after '####'), else the last \\boxed{} of its 'solution'
+    (MATH's). A ValueError when the row gives neither: a string or a finite number."""
     a = row.get("answer")
     # AMC stores 27.0: math-verify compares the values. Not a bool (an int to Python), NaN or inf
     if isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a):
@@ -1598,52 +1633,36 @@ def gold_answer(row):
         if "####" in a:  # GSM8K: the worked solution, then '#### 1,018'
             return a.rsplit("####", 1)[1].strip().replace(",", "")
         return a.strip()
-    if isinstance(row.get("solution"), str):
+    if isinstance(row.get("solution"), str) and last_boxed(row["solution"]):
         return last_boxed(row["solution"])
-    return None
-
-
-def to_rows(records, where):
-    """Records -> rows, each with all its columns; where a row has them, its "question" (else its
-    "problem") and its "answer" as gold_answer reads it, the columns the default prompt and reward
-    read. A ValueError names the first row that is no JSON object, or whose answer is no string
-    or finite number. A column your task needs and a row lacks: a one-line error when your
-    prompt() or reward() first reads the row (load_task)."""
-    rows = []
-    for i, r in enumerate(records, 1):
-        if not isinstance(r, dict):
-            raise ValueError(f"{where}: row {i} is not a JSON object")
-        row = dict(r)
-        if not r.get("question") and isinstance(r.get("problem"), str):  # MATH's name for it
-            row["question"] = r["problem"]
-        if "answer" in r or "solution" in r:
-            row["answer"] = gold_answer(r)
-            if not row["answer"]:
-                raise ValueError(f"{where}: row {i}'s 'answer' must be a string or a finite "
-                                 "number (or its 'solution' hold a \\boxed{})")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{where}: no rows")
-    return rows
+    raise ValueError("the row has no 'answer' that is a string or a finite number, nor a "
+                     "'solution' with a \\boxed{}")
 
 
 def read_jsonl(path):
-    """Local rows. (Not datasets' json loader: its errors do not name the line that is wrong.)"""
-    records = []
+    """A local file's rows, each as the file has it: [{"row": its JSON object, "where": "<path>
+    line <n>"}]. (Not datasets' json loader: its errors do not name the line that is wrong.)"""
+    examples = []
     with open(path, "rb") as f:  # json.loads reads UTF-8 bytes, and says when they are not
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                row = json.loads(line)
             except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
                 raise ValueError(f"{path}: line {i} is not valid JSON in UTF-8 ({e})") from None
-    return to_rows(records, path)
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {i} is not a JSON object")
+            examples.append({"row": row, "where": f"{path} line {i}"})
+    if not examples:
+        raise ValueError(f"{path}: no rows")
+    return examples
 
 
 def load_dataset(spec, eval_n):
     """(train, validation or None, test) rows of a DATASETS name, a .jsonl, or a folder
-    (train.jsonl [+ val.jsonl] [+ test.jsonl])."""
+    (train.jsonl [+ val.jsonl] [+ test.jsonl]). Each row is {"row": the dataset's row, every
+    column as it has it, "where": its file and line (a hub dataset's: its index) and split}."""
     entry = DATASETS.get(spec, {"path": spec})
     found = {}  # split -> rows: train, and val / test where the dataset has them
     if "hub" in entry:  # HF_HUB_OFFLINE=1: from the local cache only
@@ -1651,7 +1670,9 @@ def load_dataset(spec, eval_n):
         for split, source in (("train", "hub"), ("test", "test")):
             if source in entry:
                 name, config, part = entry[source]
-                found[split] = to_rows(datasets.load_dataset(name, config, split=part), name)
+                rows = datasets.load_dataset(name, config, split=part)
+                found[split] = [{"row": dict(r), "where": f"{name} {part} row {i}"}
+                                for i, r in enumerate(rows)]
     elif os.path.isdir(entry["path"]):
         for split in ("train", "val", "test"):
             path = os.path.join(entry["path"], f"{split}.jsonl")
@@ -1679,6 +1700,9 @@ def load_dataset(spec, eval_n):
         test = test[:eval_n]
     if val is not None:
         val = val[:eval_n]
+    for split, rows in (("train", train), ("validation", val or []), ("test", test)):
+        for r in rows:  # a single file's held-out rows say they are from the test split
+            r["where"] = f"{r['where']} ({split} split)"
     return train, val, test
 
 
@@ -1699,18 +1723,18 @@ def template_messages(template, question):
 
 def prompt_token_ids(tokenizer, rows, prompt, template, max_prompt_len,
                      timeout=REWARD_TIMEOUT_S):
-    """The rows with their tokenised prompt: `prompt(row, template)`'s chat messages through the
-    tokenizer's chat template. Rows whose prompt is longer than max_prompt_len are dropped (as
-    verl). A message the template leaves out (a role it does not know) stops the run."""
+    """The rows ({"row", "where"}: load_dataset) with their tokenised prompt, "prompt_ids":
+    `prompt(row, template)`'s chat messages through the tokenizer's chat template. Rows whose
+    prompt is longer than max_prompt_len are dropped (as verl). A message the template leaves out
+    (a role it does not know) stops the run."""
     out = []
-    for i, r in enumerate(rows):
-        where = f"row {i}"
-        messages = call_prompt(prompt, r, template, where, timeout)  # one line if it fails
+    for r in rows:
+        messages = call_prompt(prompt, r["row"], template, r["where"], timeout)  # one line if bad
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         for m in messages:
             if m["content"].strip() not in text:
-                user_error("prompt", prompt, where, r, f"returned a {m['role']!r:.20} message "
-                           "that the tokenizer's chat template leaves out")
+                user_error("prompt", prompt, r["where"], r["row"], f"returned a {m['role']!r:.20}"
+                           " message that the tokenizer's chat template leaves out")
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) <= max_prompt_len:
             out.append({**r, "prompt_ids": ids})
@@ -1740,7 +1764,7 @@ def evaluate(run, rows, progress=False):
     texts = run.tokenizer.batch_decode([o[0][0] for o in outputs], skip_special_tokens=True)
     # no budget for the whole: every held-out answer is read, each within --reward_timeout
     timeout = run.args.reward_timeout
-    rewards, counts = score(texts, rows, run.reward, timeout, budget=math.inf, where="held-out")
+    rewards, counts = score(texts, rows, run.reward, timeout, budget=math.inf)
     if counts["capped"]:  # (tqdm's write: above the training bar)
         tqdm.tqdm.write(f"warning: {counts['capped']} of {len(rows)} held-out answers took "
                         f"reward() over --reward_timeout {timeout:g} s: each scored 0")
@@ -1856,12 +1880,15 @@ def setup(args, method, reward, prompt, metric="accuracy", questions=None, confi
         reward=reward,
         metric=metric,
     )
-    print(f"{method}: {model.num_parameters() / 1e6:.1f}M parameters on {device}, "
-          f"{type(engine).__name__}, {len(train_rows)} train / {len(eval_rows)} validation / "
-          f"{len(test_rows)} test prompts, {steps} steps of {questions} x "
-          f"{args.group_size}{about}, output {args.out}")
+    held_out = f"{len(eval_rows)} validation / {len(test_rows)} test prompts"
+    if eval_rows is test_rows:
+        held_out = (f"{len(test_rows)} test prompts (no validation split: the validation scores "
+                    "are on the test prompts)")
+    print(f"{method}: {model.num_parameters() / 1e6:.1f}M parameters on the {device.upper()}; "
+          f"{len(train_rows)} training / {held_out}; {steps} steps of {questions} prompts x "
+          f"{args.group_size} completions{about}; writing to {args.out}")
     if run.start == 0:  # step 0: the initial policy's held-out score (a bad reward() stops here)
-        print(f"step 0: evaluating {len(eval_rows)} held-out problems")
+        print(f"step 0: scoring the starting model on {len(eval_rows)} held-out prompts")
         run.eval_score = evaluate(run, eval_rows, progress=True)
     run_config = {
         "args": dataclasses.asdict(args),
@@ -1907,8 +1934,8 @@ def load_task(args, prompt, reward):
         raise ValueError("no training prompt left (of at most --max_prompt_len tokens)")
     if not test_rows or val_rows == []:
         raise ValueError("no held-out prompt left (of at most --max_prompt_len tokens)")
-    for split, rows in (("train", train_rows), ("validation", val_rows or []), ("test", test_rows)):
-        score([""] * len(rows), rows, reward, args.reward_timeout, where=f"{args.dataset} {split}")
+    for rows in (train_rows, val_rows or [], test_rows):
+        score([""] * len(rows), rows, reward, args.reward_timeout)
     if val_rows is None:  # evaluated during training: the test split stands in
         val_rows = test_rows
     return tokenizer, train_rows, val_rows, test_rows
@@ -2083,18 +2110,20 @@ def batch_metrics(rewards, samples, stop_ids, counts):
     # a completion that ends without a stop token hit --max_tokens (an empty one ended at once)
     truncated = [bool(s.completion_ids) and s.completion_ids[-1] not in stop_ids for s in samples]
     read = rewards[~rewards.isnan()]  # [n read]
-    return {
+    metrics = {
         "reward_mean": read.mean().item(),
         "reward_std": read.std(unbiased=False).item(),
         "completion_len": sum(lengths) / n,
         "truncated": sum(truncated) / n,
         "zero_std_groups": tied_groups(rewards).float().mean().item(),
-        "verify_timeouts": counts["timeout"],
-        "verify_errors": counts["error"],
-        "no_answer": counts["no_answer"],
-        "reward_capped": counts["capped"],  # answers past score's time budget, left unread
-        "tokens": sum(len(s.prompt_ids) for s in samples) + sum(lengths),
     }
+    if counts["math_scored"]:  # the math reward's own outcomes: only where it scored
+        metrics["verify_timeouts"] = counts["timeout"]
+        metrics["verify_errors"] = counts["error"]
+        metrics["no_answer"] = counts["no_answer"]
+    metrics["reward_capped"] = counts["capped"]  # answers past score's time budget, left unread
+    metrics["tokens"] = sum(len(s.prompt_ids) for s in samples) + sum(lengths)
+    return metrics
 
 
 def warn_flat_reward(run, row, bar):
@@ -2120,8 +2149,8 @@ def warn_flat_reward(run, row, bar):
 
 
 def finish_step(run, bar, row, cursor, extra_state=None):
-    """After a step: evaluate, log, save (+ `extra_state`). True at the end: the last step, or
-    --time_budget spent."""
+    """After a step: evaluate, log, save (+ `extra_state`). True at the end (the last step, or
+    --time_budget spent), when it also closes the bar and prints the run's last line."""
     args = run.args
     done = row["step"]
     broken = [k for k in ("loss", "grad_norm") if k in row and not math.isfinite(row[k])]
@@ -2150,7 +2179,9 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     log_row(run, row)
     warn_flat_reward(run, row, bar)
     held_out = "-" if run.eval_score is None else f"{run.eval_score:.3f}"
-    bar.set_postfix({"reward": f"{row['reward_mean']:.3f}", run.metric: held_out,
+    # (with no validation split the held-out score during training is the test split's)
+    scored = run.metric if run.test_rows is not run.eval_rows else f"test {run.metric}"
+    bar.set_postfix({"reward": f"{row['reward_mean']:.3f}", scored: held_out,
                      "cut": f"{row['truncated']:.2f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
     if done % args.save_every == 0 or last:
         extra = {**(extra_state or {}), "train_s": run.train_s}
@@ -2158,6 +2189,13 @@ def finish_step(run, bar, row, cursor, extra_state=None):
                         cursor, extra)
     if torch.cuda.is_available():  # the next step's peak, the evaluation and saving not in it
         torch.cuda.reset_peak_memory_stats()
+    if last:
+        bar.close()
+        validation = f"validation {run.eval_score:.3f}"
+        if run.test_rows is run.eval_rows:
+            validation = "no validation split: the test prompts were scored during training"
+        print(f"done: test {run.metric} {run.test_score:.3f} ({validation}) after {done} steps; "
+              f"metrics and checkpoint in {args.out}")
     return last  # (wandb and trackio finish their run at exit)
 
 
@@ -2287,6 +2325,5 @@ def user_error(name, fn, where, row, what, tb=None):
     code = getattr(fn, "__code__", None) or fn.__call__.__code__  # a function, or a callable object
     lines = [f.lineno for f in traceback.extract_tb(tb) if f.filename == code.co_filename]
     line = (lines or [code.co_firstlineno])[-1]
-    columns = str({k: v for k, v in row.items() if k != "prompt_ids"})  # (prompt_ids: ours)
     die(" ".join(f"{name}() {what:.300} ({os.path.basename(code.co_filename)}:{line}), on "
-                 f"{where}: {columns:.80}".split()))
+                 f"{where}: {str(row):.80}".split()))

@@ -24,8 +24,8 @@ import torch
 from tqdm import tqdm
 
 from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, finish_step,
-                    group_advantages, math_reward, parse_args, policy_update, recipe_arg,
-                    rollout_seed, score, sequence_logprobs, setup, take_prompts,
+                    gold_answer, group_advantages, math_reward, parse_args, policy_update,
+                    recipe_arg, rollout_seed, score, sequence_logprobs, setup, take_prompts,
                     template_messages, token_coefficients)
 
 METHOD = "grpo"  # names the run, its bar and config.json
@@ -33,22 +33,25 @@ METHOD = "grpo"  # names the run, its bar and config.json
 
 # ==================================================================================================
 # YOUR TASK: what a completion earns, and how a question is asked. The one place to change for your
-# own data (README.md#your-own-task); a row is one line of your .jsonl, every column kept. Your
-# own imports go here, under this line.
+# own data (README.md#your-own-task); a row is one line of your .jsonl as you wrote it, every
+# column and value unchanged. Your own imports go here, under this line.
 # ==================================================================================================
 METRIC = "accuracy"  # the held-out mean of reward(): "accuracy" while it pays 1 right, 0 wrong
 
 
 def reward(completion, row):
     """A float for one completion's decoded text: 1.0 when math-verify finds its final answer
-    equal to the row's 'answer' column, else 0.0."""
-    return math_reward(completion, row["answer"])
+    equal to the row's reference, else 0.0. The reference: the 'answer' column (GSM8K's, the
+    number after '####'), else the last \\boxed{} of a 'solution' column (MATH's)."""
+    return math_reward(completion, gold_answer(row))
 
 
 def prompt(row, template):
-    """The chat messages that ask the row's question: --template's system prompt and user message
-    (common.TEMPLATES), or a list of {"role", "content"} of your own."""
-    return template_messages(template, row["question"])
+    """The chat messages that ask the row's 'question' (MATH's rows call it 'problem'):
+    --template's system prompt and user message (common.TEMPLATES), or a list of {"role",
+    "content"} of your own."""
+    question = row["question"] if "question" in row else row["problem"]
+    return template_messages(template, question)
 # ==================================================================================================
 # END OF YOUR TASK. Below: the method's flags, then its loop
 # ==================================================================================================
@@ -210,9 +213,6 @@ def main():
         }
         if finish_step(run, bar, row, cursor):  # evaluate, log, checkpoint; True at the end
             break
-    bar.close()
-    print(f"done: test {METRIC} {run.test_score:.3f} (validation {run.eval_score:.3f}) "
-          f"after {run.steps} steps; metrics and checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ import torch
 from tqdm import tqdm
 
 from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die, finish_step,
-                    group_advantages, math_reward, parse_args, policy_update, recipe_arg,
-                    rollout_seed, score, sequence_logprobs, setup, take_prompts, template_messages,
-                    token_coefficients)
+                    gold_answer, group_advantages, math_reward, parse_args, policy_update,
+                    recipe_arg, recipe_of, rollout_seed, score, sequence_logprobs, setup,
+                    take_prompts, template_messages, token_coefficients)
 
 METHOD = "mmr_grpo"  # names the run, its bar and config.json
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the paper's jina needs remote code
@@ -33,22 +33,25 @@ MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the paper's jina needs remo
 
 # ==================================================================================================
 # YOUR TASK: what a completion earns, and how a question is asked. The one place to change for your
-# own data (README.md#your-own-task); a row is one line of your .jsonl, every column kept. Your
-# own imports go here, under this line.
+# own data (README.md#your-own-task); a row is one line of your .jsonl as you wrote it, every
+# column and value unchanged. Your own imports go here, under this line.
 # ==================================================================================================
 METRIC = "accuracy"  # the held-out mean of reward(): "accuracy" while it pays 1 right, 0 wrong
 
 
 def reward(completion, row):
     """A float for one completion's decoded text: 1.0 when math-verify finds its final answer
-    equal to the row's 'answer' column, else 0.0."""
-    return math_reward(completion, row["answer"])
+    equal to the row's reference, else 0.0. The reference: the 'answer' column (GSM8K's, the
+    number after '####'), else the last \\boxed{} of a 'solution' column (MATH's)."""
+    return math_reward(completion, gold_answer(row))
 
 
 def prompt(row, template):
-    """The chat messages that ask the row's question: --template's system prompt and user message
-    (common.TEMPLATES), or a list of {"role", "content"} of your own."""
-    return template_messages(template, row["question"])
+    """The chat messages that ask the row's 'question' (MATH's rows call it 'problem'):
+    --template's system prompt and user message (common.TEMPLATES), or a list of {"role",
+    "content"} of your own."""
+    question = row["question"] if "question" in row else row["problem"]
+    return template_messages(template, question)
 # ==================================================================================================
 # END OF YOUR TASK. Below: the method's flags, then its loop
 # ==================================================================================================
@@ -208,9 +211,10 @@ def mmr_reweight(rewards, embeddings, floor=True):
 
 
 def encoder_recipe(flags):
-    """The default encoder: a built-in task's own base model (toy, chains), else MiniLM."""
-    return {"embed_model": flags["dataset"] if "model" in DATASETS.get(flags["dataset"], {})
-                           else MINILM}
+    """The default encoder: a built-in task's own base model (toy, chains) when it is the policy,
+    else MiniLM."""
+    name, _ = recipe_of(flags)  # the recipe follows the policy model
+    return {"embed_model": name if name in DATASETS else MINILM}
 
 
 def main():
@@ -312,9 +316,6 @@ def main():
         row["mmr_share"] = row["mmr_s"] / row["step_s"]  # evaluation excluded; the paper: 0.6-5.5%
         if finish_step(run, bar, row, cursor):  # evaluate, log, checkpoint; True at the end
             break
-    bar.close()
-    print(f"done: test {METRIC} {run.test_score:.3f} (validation {run.eval_score:.3f}) "
-          f"after {run.steps} steps; metrics and checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

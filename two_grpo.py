@@ -23,32 +23,35 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from common import (DATASETS, RECIPE, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die,
-                    finish_step, group_advantages, math_reward, parse_args, policy_update,
-                    recipe_arg, rollout_seed, score, sequence_logprobs, setup, take_prompts,
-                    template_messages, tied_groups, token_coefficients)
+from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die, finish_step,
+                    gold_answer, group_advantages, math_reward, parse_args, policy_update,
+                    recipe_arg, recipe_of, rollout_seed, score, sequence_logprobs, setup,
+                    take_prompts, template_messages, tied_groups, token_coefficients)
 
 METHOD = "two_grpo"  # names the run, its bar and config.json
 
 
 # ==================================================================================================
 # YOUR TASK: what a completion earns, and how a question is asked. The one place to change for your
-# own data (README.md#your-own-task); a row is one line of your .jsonl, every column kept. Your
-# own imports go here, under this line.
+# own data (README.md#your-own-task); a row is one line of your .jsonl as you wrote it, every
+# column and value unchanged. Your own imports go here, under this line.
 # ==================================================================================================
 METRIC = "accuracy"  # the held-out mean of reward(): "accuracy" while it pays 1 right, 0 wrong
 
 
 def reward(completion, row):
     """A float for one completion's decoded text: 1.0 when math-verify finds its final answer
-    equal to the row's 'answer' column, else 0.0."""
-    return math_reward(completion, row["answer"])
+    equal to the row's reference, else 0.0. The reference: the 'answer' column (GSM8K's, the
+    number after '####'), else the last \\boxed{} of a 'solution' column (MATH's)."""
+    return math_reward(completion, gold_answer(row))
 
 
 def prompt(row, template):
-    """The chat messages that ask the row's question: --template's system prompt and user message
-    (common.TEMPLATES), or a list of {"role", "content"} of your own."""
-    return template_messages(template, row["question"])
+    """The chat messages that ask the row's 'question' (MATH's rows call it 'problem'):
+    --template's system prompt and user message (common.TEMPLATES), or a list of {"role",
+    "content"} of your own."""
+    question = row["question"] if "question" in row else row["problem"]
+    return template_messages(template, question)
 # ==================================================================================================
 # END OF YOUR TASK. Below: the method's flags, then its loop
 # ==================================================================================================
@@ -156,21 +159,21 @@ def rows_to_train(samples, loss_agg, max_len, num_seqs, skip_tied):
     return keep, coefs[keep]
 
 
-def scaled_recipe(grpo_prompts, grpo_lr, dataset, prompts=None):
-    """(B, lr) from the dataset's GRPO recipe and a B given (`prompts`). Real data: 256 pairs at the
-    GRPO rate x B / its B (the paper's linear rule). Built-in tasks, where the rule is unstable:
-    grpo.py's rollouts (B x its G = 8) in pairs at grpo.py's rate. docs/two_grpo.md#batch"""
-    if dataset in ("toy", "chains"):
+def scaled_recipe(grpo_prompts, grpo_lr, recipe, prompts=None):
+    """(B, lr) from the run's GRPO recipe (its name: common.recipe_of) and a B given (`prompts`).
+    Real models: 256 pairs at the GRPO rate x B / its B (the paper's linear rule). The built-in
+    tasks' models, where the rule is unstable: grpo.py's rollouts (B x its G = 8) in pairs at
+    grpo.py's rate. docs/two_grpo.md#batch"""
+    if recipe in ("toy", "chains"):
         return prompts or grpo_prompts * 8 // 2, grpo_lr
     prompts = prompts or 256
     return prompts, grpo_lr * prompts / grpo_prompts
 
 
 def pair_recipe(flags):
-    """The defaults of B and lr: scaled_recipe of the dataset's GRPO recipe and the B given."""
-    grpo = {**RECIPE, **DATASETS.get(flags["dataset"], {})}
-    B, lr = scaled_recipe(grpo["prompts_per_step"], grpo["lr"], flags["dataset"],
-                          flags["prompts_per_step"])
+    """The defaults of B and lr: scaled_recipe of the run's GRPO recipe and the B given."""
+    name, grpo = recipe_of(flags)
+    B, lr = scaled_recipe(grpo["prompts_per_step"], grpo["lr"], name, flags["prompts_per_step"])
     return {"prompts_per_step": B, "lr": lr}
 
 
@@ -295,9 +298,6 @@ def main():
         }
         if finish_step(run, bar, row, cursor):  # evaluate, log, checkpoint; True at the end
             break
-    bar.close()
-    print(f"done: test {METRIC} {run.test_score:.3f} (validation {run.eval_score:.3f}) "
-          f"after {run.steps} steps; metrics and checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

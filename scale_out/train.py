@@ -22,7 +22,8 @@ from transformers import AutoTokenizer, HfArgumentParser
 from trl import GRPOConfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-from common import DATASETS, RECIPE, TEMPLATES, load_dataset, math_reward  # noqa: E402
+from common import (DATASETS, TEMPLATES, gold_answer, load_dataset, math_reward,  # noqa: E402
+                    recipe_of)
 from mmr_grpo import encoder_recipe  # noqa: E402
 from scale_out.trl_cppo import CPPOTrainer  # noqa: E402
 from scale_out.trl_dppo import DPPOTrainer  # noqa: E402
@@ -55,14 +56,16 @@ class MethodArgs:
 
 def training_rows(args):
     """The dataset's training rows as TRL wants them: chat messages in `prompt`, and `gold`."""
-    recipe = {**RECIPE, **DATASETS.get(args.dataset, {})}
+    _, recipe = recipe_of(vars(args))  # the scripts' recipe (common.recipe_of)
     system, user = TEMPLATES[args.template or recipe["template"]]
     train, _, _ = load_dataset(args.dataset, recipe["eval_n"])
     rows = []
     for r in train:
+        row = r["row"]  # as the file has it
+        question = row["question"] if "question" in row else row["problem"]
         messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": user.replace("{question}", r["question"])})
-        rows.append({"prompt": messages, "gold": r["answer"]})
+        messages.append({"role": "user", "content": user.replace("{question}", question)})
+        rows.append({"prompt": messages, "gold": gold_answer(row)})
     return Dataset.from_list(rows)
 
 
@@ -76,8 +79,8 @@ def build(argv=None):
     """The trainer the flags describe, not yet trained."""
     parser = HfArgumentParser((MethodArgs, GRPOConfig))
     args, config = parser.parse_args_into_dataclasses(args=argv)
-    recipe = {**RECIPE, **DATASETS.get(args.dataset, {})}
-    model = args.model or recipe["model"]
+    _, recipe = recipe_of(vars(args))
+    model = recipe["model"]  # --model, else the dataset's
     tokenizer = AutoTokenizer.from_pretrained(model)
     trainers = {  # the class and its own settings
         "grpo": (GRPOPlugin, {}),

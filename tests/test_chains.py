@@ -171,7 +171,8 @@ def test_model_generates_its_reasoning_in_the_vllm_engine():
     from grpo import prompt
     tokenizer = load_tokenizer(MODEL)
     model = load_model(MODEL, torch.device("cpu"), frozen=True)
-    rows = [{"question": r["question"], "answer": r["answer"]} for r in committed("test")[:16]]
+    rows = [{"row": {"question": r["question"], "answer": r["answer"]}, "where": f"test {i}"}
+            for i, r in enumerate(committed("test")[:16])]
     rows = prompt_token_ids(tokenizer, rows, prompt, "plain", 512)
     engine = VLLMEngine(MODEL, seed=0, max_model_len=512, max_num_seqs=32,
                         vocab_size=len(tokenizer), model_vocab_size=model.config.vocab_size,

@@ -88,9 +88,11 @@ def bad_jsonl(tmp_path):
     (["--reward_timeout", "1e9"], "--reward_timeout must be in (0, 3600]"),
     (["--dataset", "{tmp}/one.jsonl"], "--dataset '{tmp}/one.jsonl': 1 row, too few to hold one "
                                        "out for testing"),
-    (["--dataset", "{tmp}/nan.jsonl"], "nan.jsonl: row 2's 'answer' must be a string or a finite "
-                                       "number"),
-    (["--dataset", "{tmp}/true.jsonl"], "true.jsonl: row 1's 'answer' must be"),
+    # the default reward reads the answer (gold_answer): its error names the file and the line
+    (["--dataset", "{tmp}/nan.jsonl"], "reward() raised ValueError(\"the row has no 'answer' that "
+                                       "is a string or a finite number"),
+    (["--dataset", "{tmp}/nan.jsonl"], "on {tmp}/nan.jsonl line 2 ("),
+    (["--dataset", "{tmp}/true.jsonl"], "on {tmp}/true.jsonl line "),
     (["--out", "/proc/no_run_here"], "--out '/proc/no_run_here' cannot be written"),
     (["--eps_low", "1"], "--eps_low must be in [0, 1)"),
     (["--tis_cap", "0.5"], "--tis_cap must be 0 (off) or at least 1"),
@@ -386,8 +388,9 @@ def test_a_reward_that_returns_no_number_stops_at_step_0_and_the_command_runs_ag
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
         where = f"test_cli.py:{no_number.__code__.co_firstlineno}"
+        line = f"{REPO}/toy/data/train.jsonl line 1 (train split)"
         assert errors[0].startswith(f"error: reward() returned None, not a finite number ({where})"
-                                    ", on toy train row 0: {"), errors
+                                    f", on {line}: {{"), errors
         assert "step 0: eval accuracy" not in result.stdout and "done:" not in result.stdout
     assert not (tmp_path / "new").exists() and os.listdir(mine) == []
     monkeypatch.undo()  # reward() fixed: the same command

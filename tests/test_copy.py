@@ -176,12 +176,65 @@ def test_a_task_of_ones_own_columns_and_a_missing_column(tmp_path, tiny_dir):
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert "eval_closeness" in metrics[0] and "test_closeness" in metrics[-1]
     (tmp_path / "grpo.py").write_text(default)
-    rows = [{"question": f"What is {a} + 20?"} for a in range(10, 30)]
+    for line in (13, 3):  # a row without an answer on line 13 (of the test split), then line 3
+        rows = [{"question": f"What is {a} + 20?", "answer": a + 20} for a in range(10, 30)]
+        del rows[line - 1]["answer"]
+        (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        result = subprocess.run(command + ["--out", "run2"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=600)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+        assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+        assert errors[0].startswith("error: reward() raised ValueError(\"the row has no 'answer' "
+                                    "that is a string or a finite number"), errors
+        assert "(grpo.py:" in errors[0] and f" on data.jsonl line {line} (" in errors[0], errors
+        assert "loading" not in result.stdout and not (tmp_path / "run2").exists()
+
+
+# A task of one's own whose columns the default reward would misread: an integer 'answer' and a
+# 'solution' without a \boxed{}; the reward logs each row it is handed
+ROWS_AS_WRITTEN = '''import json
+import os
+
+METRIC = "accuracy"
+
+
+def reward(completion, row):
+    with open(os.environ["REWARD_LOG"], "a") as f:
+        f.write(json.dumps(row) + "\\n")
+    return float(str(row["answer"]) in completion)
+
+
+def prompt(row, template):
+    return [{"role": "user", "content": f"{row['letters']} sorted is"}]
+'''
+
+
+def test_rows_reach_the_task_as_written_and_the_toy_model_takes_the_toys_recipe(tmp_path):
+    """A copied grpo.py with its marked block replaced, on a file of one's own with the toy's model
+    (the default, toy/ beside the two files): every row reaches reward() as the file has it (an
+    integer answer stays an integer, a 'solution' without a \\boxed{} loads), and the run takes
+    the toy's recipe, saying so on its first line."""
+    for name in ("grpo.py", "common.py"):
+        shutil.copy(os.path.join(REPO, name), tmp_path)
+    shutil.copytree(os.path.join(REPO, "toy", "model"), tmp_path / "toy" / "model")
+    source = (tmp_path / "grpo.py").read_text()
+    heading = source.index("\n", source.index("# =====", source.index("# YOUR TASK")))
+    end = source.index("# ==========", source.index("return template_messages"))
+    (tmp_path / "grpo.py").write_text(source[:heading + 1] + ROWS_AS_WRITTEN + source[end:])
+    rows = [{"letters": "".join(reversed(w)), "answer": i, "solution": "def f(): return 1",
+             "sorted": sorted(w)} for i, w in enumerate(["cab", "dcba", "fed", "hg", "ji"] * 4)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = subprocess.run(command + ["--out", "run2"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
-    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
-    assert errors[0].startswith("error: reward() raised KeyError('answer') (grpo.py:"), errors
-    assert "on data.jsonl train row 0: {'question': 'What is" in errors[0], errors
-    assert "loading" not in result.stdout and not (tmp_path / "run2").exists()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", REWARD_LOG=str(tmp_path / "calls.jsonl"))
+    result = subprocess.run([sys.executable, "grpo.py", "--dataset", "data.jsonl", "--steps", "1",
+                             "--prompts_per_step", "2", "--group_size", "2", "--rollout", "hf",
+                             "--out", "run"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("recipe: the toy task's, for its model (toy/model): "
+                                    "--template plain --lr 0.0003 --max_tokens 24 "), result.stdout
+    handed = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
+    assert {json.dumps(r) for r in handed} == {json.dumps(r) for r in rows}
+    assert all(type(r["answer"]) is int for r in handed)
+    args = json.load(open(tmp_path / "run" / "config.json"))["args"]
+    assert (args["lr"], args["max_tokens"], args["eval_every"]) == (3e-4, 24, 10)

@@ -23,8 +23,10 @@ def test_toy_dataset_has_train_and_test_splits():
     train, val, test = load_dataset("toy", eval_n=50)
     # no val.jsonl: test serves during training
     assert len(train) == 1920 and len(test) == 50 and val is None
-    # every column kept, and the two the default prompt and reward read
-    assert train[0].keys() == {"question", "answer"} and train[0]["answer"].isdigit()
+    # each row as the file has it, and where it is: the file, its line, the split
+    assert train[0]["row"].keys() == {"question", "answer"} and train[0]["row"]["answer"].isdigit()
+    assert train[0]["where"] == f"{REPO}/toy/data/train.jsonl line 1 (train split)"
+    assert test[7]["where"] == f"{REPO}/toy/data/test.jsonl line 8 (test split)"
 
 
 def test_single_file_holds_out_a_fixed_eval_split(tmp_path):
@@ -32,8 +34,12 @@ def test_single_file_holds_out_a_fixed_eval_split(tmp_path):
                                         for i in range(50)])
     train, val, test = load_dataset(path, eval_n=100)
     assert len(test) == 10 and len(train) == 40 and val is None  # at most a fifth is held out
-    assert not {r["question"] for r in test} & {r["question"] for r in train}
+    assert not {r["row"]["problem"] for r in test} & {r["row"]["problem"] for r in train}
     assert test == load_dataset(path, eval_n=100)[2]  # the same rows every time
+    for r in train + test:  # each names its line in the file, and the split it went to
+        line = int(r["row"]["problem"][1:]) + 1
+        split = "test" if r in test else "train"
+        assert r["where"] == f"{path} line {line} ({split} split)"
 
 
 def test_a_folder_with_a_validation_split(tmp_path):
@@ -43,30 +49,30 @@ def test_a_folder_with_a_validation_split(tmp_path):
     for name, part in (("train", rows[:10]), ("val", rows[10:20]), ("test", rows[20:])):
         write(tmp_path / f"{name}.jsonl", part)
     train, val, test = load_dataset(str(tmp_path), eval_n=4)
-    assert [r["answer"] for r in train] == [str(i) for i in range(10)]
-    assert [r["answer"] for r in val] == ["10", "11", "12", "13"]
-    assert [r["answer"] for r in test] == ["20", "21", "22", "23"]
+    assert [r["row"]["answer"] for r in train] == [str(i) for i in range(10)]
+    assert [r["row"]["answer"] for r in val] == ["10", "11", "12", "13"]
+    assert [r["row"]["answer"] for r in test] == ["20", "21", "22", "23"]
+    assert val[1]["where"] == f"{tmp_path / 'val.jsonl'} line 2 (validation split)"
     train, val, test = load_dataset("chains", eval_n=1000)
     assert (len(train), len(val), len(test)) == (512, 150, 300)
 
 
-def test_gsm8k_style_rows(tmp_path):
-    path = write(tmp_path / "g.jsonl",
-                 [json.dumps({"question": "q", "answer": "work\n#### 1,234"})] * 3)
+def test_rows_reach_the_task_as_written(tmp_path):
+    """Every column and value as the file has it: GSM8K's worked answer, an integer answer, a
+    list, a solution without a \\boxed{} (code datasets have one) load unchanged; what the math
+    reward reads of them is gold_answer's, in the default reward."""
+    rows = [{"question": "q", "answer": "work\n#### 1,234"}, {"question": "q", "answer": 5},
+            {"question": "q", "answer": ["a", "b"], "solution": "def f(): return 1"},
+            {"problem": "p", "answer": " a,b #### c,d "}]
+    path = write(tmp_path / "g.jsonl", [json.dumps(r) for r in rows])
     train, _, test = load_dataset(path, eval_n=1)
-    assert train[0]["answer"] == "1234"
+    assert sorted(map(json.dumps, [r["row"] for r in train + test])) == sorted(
+        map(json.dumps, rows))
 
 
 @pytest.mark.parametrize("lines,message", [
     (['{"question": "a", "answer": "1"}', "{not json"], "line 2 is not valid JSON"),
-    (['{"question": "a", "answer": "1"}', '{"question": "b", "answer": " "}'],
-     "row 2's 'answer' must be a string or a finite number"),
-    (['["a", "b"]'], "row 1 is not a JSON object"),
-    # an answer is a string or a finite number: not NaN, inf, a bool (an int to Python), a list
-    (['{"question": "a", "answer": NaN}'], "row 1's 'answer' must be a string or a finite"),
-    (['{"question": "a", "answer": "1"}', '{"question": "a", "answer": -Infinity}'], "row 2"),
-    (['{"question": "a", "answer": true}'], "row 1's 'answer'"),
-    (['{"question": "a", "answer": ["1"]}'], "row 1's 'answer'"),
+    (['{"question": "a", "answer": "1"}', '["a", "b"]'], "line 2 is not a JSON object"),
     ([""], "no rows"),
     # one row: none left to train on once one is held out
     (['{"question": "a", "answer": "1"}'], "bad.jsonl': 1 row, too few to hold one out for "
@@ -113,7 +119,8 @@ def test_prompts_go_through_the_chat_template():
     tokenizer = load_tokenizer(TOY_MODEL)
 
     def text(question, template):
-        ids = prompt_token_ids(tokenizer, [{"question": question}], prompt, template, 10**6)
+        rows = [{"row": {"question": question}, "where": "q.jsonl line 1"}]
+        ids = prompt_token_ids(tokenizer, rows, prompt, template, 10**6)
         return tokenizer.decode(ids[0]["prompt_ids"])
     assert text("What is 1 + 2?", "plain") == \
         "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
@@ -126,7 +133,7 @@ def test_prompts_go_through_the_chat_template():
 def test_a_prompt_of_ones_own_reads_any_column():
     """A prompt(row, template) of one's own: the rows keep every column of the dataset."""
     tokenizer = load_tokenizer(TOY_MODEL)
-    rows = [{"question": "Q", "answer": "1", "hint": "count twice"}]
+    rows = [{"row": {"question": "Q", "answer": "1", "hint": "count twice"}, "where": "line 1"}]
 
     def own(row, template):
         return [{"role": "system", "content": row["hint"]},
@@ -137,9 +144,10 @@ def test_a_prompt_of_ones_own_reads_any_column():
 
 def test_overlong_prompts_are_dropped():
     tokenizer = load_tokenizer(TOY_MODEL)
-    rows = [{"question": "What is 1 + 2?", "answer": "3"}, {"question": "x " * 500, "answer": "1"}]
+    rows = [{"row": {"question": "What is 1 + 2?", "answer": "3"}, "where": "line 1"},
+            {"row": {"question": "x " * 500, "answer": "1"}, "where": "line 2"}]
     kept = prompt_token_ids(tokenizer, rows, prompt, "plain", max_prompt_len=64)
-    assert ([r["answer"] for r in kept] == ["3"]
+    assert ([r["row"]["answer"] for r in kept] == ["3"]
             and kept[0]["prompt_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>"))
 
 

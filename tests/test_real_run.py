@@ -294,10 +294,12 @@ def test_gsm8k_validation_is_carved_from_train_and_the_test_stays_whole(tmp_path
     assert (len(train), len(val), len(test)) == (200, 100, 600)  # val: 500, then cut to eval_n
     full_train, full_val, _ = load_dataset("gsm8k", eval_n=1000)
     assert len(full_val) == 500 and len(full_train) == 200
-    questions = {r["question"] for r in full_train}
-    assert not questions & {r["question"] for r in full_val}
+    questions = {r["row"]["question"] for r in full_train}
+    assert not questions & {r["row"]["question"] for r in full_val}
     assert load_dataset("gsm8k", eval_n=1000)[1] == full_val  # seeded
-    assert {r["question"] for r in test} == {f"test question {i}?" for i in range(600)}
+    assert {r["row"]["question"] for r in test} == {f"test question {i}?" for i in range(600)}
+    # each row names its hub dataset, its index there and its split
+    assert test[3]["where"] == "openai/gsm8k test row 3 (test split)"
 
 
 def test_a_reward_batch_cannot_stall_a_step(monkeypatch):
@@ -309,7 +311,7 @@ def test_a_reward_batch_cannot_stall_a_step(monkeypatch):
     def slow(text, row):
         now[0] += 40.0  # as math-verify on a degenerate answer, near its 5 s limit, ... slower
         return 1.0
-    rows = [{"answer": "1"}] * 5
+    rows = [{"row": {"answer": "1"}, "where": "line 1"}] * 5
     rewards, counts = score(["<answer>1</answer>"] * 5, rows, slow, budget=100.0)
     assert rewards[:3] == [1.0, 1.0, 1.0] and counts["capped"] == 2
     assert all(math.isnan(r) for r in rewards[3:])

@@ -395,7 +395,11 @@ def test_gold_answer_conventions():
     assert gold_answer({"solution": "so $x = \\boxed{\\frac{1}{2}}$."}) == "\\frac{1}{2}"
     pair = "\\left( 3, \\frac{\\pi}{2} \\right)"
     assert gold_answer({"answer": pair}) == pair
-    assert gold_answer({"question": "q"}) is None
+    # neither: a ValueError (the default reward raises it, naming the row, at load)
+    for row in ({"question": "q"}, {"answer": " "}, {"answer": float("nan")}, {"answer": True},
+                {"answer": ["1"]}, {"solution": "def f(): return 1"}):
+        with pytest.raises(ValueError, match="no 'answer' that is a string or a finite number"):
+            gold_answer(row)
 
 
 @pytest.mark.parametrize("bad", [None, 123, b"\\boxed{1}", "\\boxed{" + "{" * 5000, "x" * 1_000_000,

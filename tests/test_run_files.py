@@ -1,5 +1,6 @@
 """common.py's run files: the phase timer, flag parsing (recipe defaults, a script's recipe, bool
 spellings, the resume merge) and the per-batch metrics."""
+import collections
 import json
 import math
 import os
@@ -86,21 +87,44 @@ RECIPE_KEYS = ("model", "template", "prompts_per_step", "lr", "max_tokens", "ste
                "eval_n")
 
 
-def test_parse_args_fills_the_recipe_of_the_toy_and_of_a_local_folder(tmp_path):
+def test_the_recipe_follows_the_model_and_says_which_it_took(tmp_path, capsys):
+    """The recipe of the flags not given follows the model: the toy's model takes the toy's recipe
+    whatever the data (a file of one's own, GSM8K), the chains model the chains', any other model
+    RECIPE (sized for 1.5B); the dataset gives its template. The first line says which, and why,
+    with the values it filled; a flag given wins."""
     out = ["--out", str(tmp_path / "o")]
+    toy = tuple(DATASETS["toy"][k] for k in RECIPE_KEYS)
     args = parse_args(Flags, "m", "", argv=["--seed", "3", "--no_floor", *out])
     assert (isinstance(args, Flags)
             and (args.seed, args.floor, args.out) == (3, False, str(tmp_path / "o")))
-    assert tuple(getattr(args, k) for k in RECIPE_KEYS) == tuple(DATASETS["toy"][k]
-                                                                 for k in RECIPE_KEYS)
+    assert tuple(getattr(args, k) for k in RECIPE_KEYS) == toy
     assert (args.lr, args.max_tokens, args.steps) == (3e-4, 24, 40)
-    # a local folder: RECIPE
+    said = capsys.readouterr().out.splitlines()
+    assert said[0] == ("recipe: the toy task's, for its model (toy/model): --template plain "
+                       "--prompts_per_step 32 --lr 0.0003 --max_tokens 24 --steps 40 "
+                       "--eval_every 10 --eval_n 200 (each a flag)"), said
+    # a local folder with the default model, the toy's: the toy's recipe
     args = parse_args(Flags, "m", "", argv=["--dataset", str(tmp_path), *out])
-    assert tuple(getattr(args, k) for k in RECIPE_KEYS) == tuple(RECIPE[k] for k in RECIPE_KEYS)
+    assert tuple(getattr(args, k) for k in RECIPE_KEYS) == toy
+    # GSM8K with the toy's model: the toy's recipe, GSM8K's template
+    args = parse_args(Flags, "m", "", argv=["--dataset", "gsm8k", *out])
+    assert (args.lr, args.max_tokens, args.template) == (3e-4, 24, "cppo_gsm8k")
+    # the chains model on a file of one's own: the chains recipe
+    chains = DATASETS["chains"]["model"]
+    args = parse_args(Flags, "m", "", argv=["--dataset", str(tmp_path), "--model", chains, *out])
+    assert (args.lr, args.max_tokens, args.steps) == (3e-4, 200, 80)
+    # any other model: RECIPE
+    capsys.readouterr()
+    args = parse_args(Flags, "m", "", argv=["--dataset", str(tmp_path), "--model", "Qwen/Q", *out])
+    assert tuple(getattr(args, k) for k in RECIPE_KEYS) == ("Qwen/Q",) + tuple(
+        RECIPE[k] for k in RECIPE_KEYS[1:])
     assert (args.lr, args.max_tokens, args.template) == (1e-6, 1024, "plain")
+    assert capsys.readouterr().out.startswith("recipe: sized for a 1.5B model on one GPU, for a "
+                                              "model that is no built-in task's (Qwen/Q): ")
     # an explicit flag wins
     args = parse_args(Flags, "m", "", argv=["--lr", "0.5", "--max_tokens", "7", *out])
     assert (args.lr, args.max_tokens, args.steps) == (0.5, 7, 40)
+    assert "--lr" not in capsys.readouterr().out
 
 
 def test_parse_args_resolves_the_defaults_decided_later(tmp_path, monkeypatch):
@@ -199,7 +223,7 @@ def test_resume_with_an_unreadable_config_is_one_line(tmp_path, capsys, config):
 def test_batch_metrics_by_hand():
     rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])  # [Q, G]: the second group is tied
     samples = [Sample([1, 2], [5, 9]), Sample([1, 2], [5]), Sample([3], [6, 6, 6]), Sample([3], [])]
-    counts = {"timeout": 1, "error": 0, "no_answer": 2, "capped": 3}
+    counts = collections.Counter(timeout=1, error=0, no_answer=2, capped=3, math_scored=4)
     m = batch_metrics(rewards, samples, stop_ids=[9], counts=counts)
     assert m["reward_mean"] == 0.75 and m["zero_std_groups"] == 0.5
     assert m["reward_std"] == pytest.approx(0.1875 ** 0.5)  # population std of 1, 0, 1, 1
@@ -208,12 +232,20 @@ def test_batch_metrics_by_hand():
     assert m["truncated"] == 2 / 4
     outcomes = (m["verify_timeouts"], m["verify_errors"], m["no_answer"], m["reward_capped"])
     assert outcomes == (1, 0, 2, 3)
+    # a reward of one's own (math_reward never scored): the math reward's outcomes are not logged
+    mine = batch_metrics(rewards, samples, [9], collections.Counter(capped=3))
+    assert mine.keys() == m.keys() - {"verify_timeouts", "verify_errors", "no_answer"}
+    math = common.score(["<answer>47</answer>"], [EX], lambda text, row: common.math_reward(
+        text, row["answer"]))
+    assert math == ([1.0], {"math_scored": 1})
 
 
 # ---------------------------------------------------------------- reward() and prompt(), safely
 
-ROW = {"question": "What is 12 + 35?" + " and more" * 20, "answer": "47",
-       "prompt_ids": [5, 6, 7]}
+ROW = {"question": "What is 12 + 35?" + " and more" * 20, "answer": "47"}
+WHERE = "data.jsonl line 3 (train split)"
+# a row as the run holds it: the file's row, where it is, its prompt's token ids
+EX = {"row": ROW, "where": WHERE, "prompt_ids": [5, 6, 7]}
 
 
 def refused_reward(capsys, returns):
@@ -221,7 +253,7 @@ def refused_reward(capsys, returns):
     def reward(text, row):
         return returns()
     with pytest.raises(SystemExit) as stop:
-        common.score(["right", "wrong"], [ROW, ROW], reward)
+        common.score(["right", "wrong"], [EX, EX], reward)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1, err
     return err[0], reward.__code__.co_firstlineno
@@ -241,9 +273,9 @@ def test_a_partial_or_a_callable_object_as_reward_is_named_too(capsys):
     for fn, first in ((functools.partial(scaled, factor=2), scaled.__code__.co_firstlineno),
                       (Reward(), Reward.__call__.__code__.co_firstlineno)):
         with pytest.raises(SystemExit):
-            common.score(["a"], [ROW], fn)
+            common.score(["a"], [EX], fn)
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and f"(test_run_files.py:{first}), on rollout row 0" in err[0], err
+        assert len(err) == 1 and f"(test_run_files.py:{first}), on {WHERE}" in err[0], err
 
 
 @pytest.mark.parametrize("returns,shown", [
@@ -257,9 +289,8 @@ def test_a_reward_that_returns_no_finite_number_is_one_line(capsys, returns, sho
     row (its index, its first 80 characters, not our prompt_ids); NaN is no longer 'unread'."""
     line, first = refused_reward(capsys, returns)
     assert line.startswith(f"error: reward() returned {shown}, not a finite number "
-                           f"(test_run_files.py:{first}), on rollout row 0: "), line
-    columns = str({k: v for k, v in ROW.items() if k != "prompt_ids"})
-    assert line.endswith(f"on rollout row 0: {columns[:80].strip()}"), line
+                           f"(test_run_files.py:{first}), on {WHERE}: "), line
+    assert line.endswith(f"on {WHERE}: {str(ROW)[:80].strip()}"), line
 
 
 def test_a_reward_that_raises_is_one_line_naming_its_line(capsys):
@@ -268,18 +299,18 @@ def test_a_reward_that_raises_is_one_line_naming_its_line(capsys):
     def reward(text, row):
         return json.loads(row["question"])
     with pytest.raises(SystemExit) as stop:
-        common.score(["a"], [ROW], reward)
+        common.score(["a"], [EX], reward)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1, err
     assert err[0].startswith("error: reward() raised JSONDecodeError('Expecting value: line 1 "
                              "column 1 (char 0)') (test_run_files.py:"
-                             f"{reward.__code__.co_firstlineno + 1}), on rollout row 0: "), err
+                             f"{reward.__code__.co_firstlineno + 1}), on {WHERE}: "), err
 
 
 @pytest.mark.parametrize("value", [1, 0.5, np.float32(0.25), np.int64(2), torch.tensor(0.5),
                                    torch.tensor([0.75], dtype=torch.float64)])
 def test_a_reward_may_return_any_finite_real_number(value):
-    rewards, counts = common.score(["a"], [ROW], lambda text, row: value)
+    rewards, counts = common.score(["a"], [EX], lambda text, row: value)
     assert rewards == [float(value)] and isinstance(rewards[0], float) and not counts
 
 
@@ -293,15 +324,15 @@ def test_a_slow_reward_call_is_capped_and_the_steps_budget_holds():
         time.sleep(30 if text == "slow" else 0)
         return 1.0
     t0 = time.monotonic()
-    rewards, counts = common.score(["slow", "fast"], [ROW, ROW], slow, timeout=0.2)
+    rewards, counts = common.score(["slow", "fast"], [EX, EX], slow, timeout=0.2)
     assert math.isnan(rewards[0]) and rewards[1] == 1.0 and counts["capped"] == 1
     assert time.monotonic() - t0 < 1.0
     t0 = time.monotonic()
-    rewards, counts = common.score(["slow"] * 3, [ROW] * 3, slow, timeout=10.0, budget=0.3)
+    rewards, counts = common.score(["slow"] * 3, [EX] * 3, slow, timeout=10.0, budget=0.3)
     assert all(math.isnan(r) for r in rewards) and counts["capped"] == 3
     assert time.monotonic() - t0 < 1.0 and calls[2:] == ["slow"]  # the other two: never called
     # a call that swallows each alarm and returns late is capped all the same
-    rewards, counts = common.score(["a"], [ROW], lambda text, row: swallowing(0.3, BaseException)
+    rewards, counts = common.score(["a"], [EX], lambda text, row: swallowing(0.3, BaseException)
                                    or 1.0, timeout=0.1)
     assert math.isnan(rewards[0]) and counts["capped"] == 1
 
@@ -313,7 +344,7 @@ def test_in_another_thread_a_call_runs_unstopped_but_the_budget_holds():
         time.sleep(0.2)
         return 1.0
     out = []
-    worker = threading.Thread(target=lambda: out.append(common.score(["a"] * 5, [ROW] * 5, slow,
+    worker = threading.Thread(target=lambda: out.append(common.score(["a"] * 5, [EX] * 5, slow,
                                                                      timeout=0.1, budget=0.3)))
     worker.start()
     worker.join()
@@ -371,11 +402,11 @@ def test_a_prompt_that_fails_is_one_line(capsys):
                                         f"messages (test_run_files.py:{first})"),
                            ([], "returned [], not a list of")]:
         with pytest.raises(SystemExit) as stop:
-            common.prompt_token_ids(None, [ROW], prompt, template, 100)
+            common.prompt_token_ids(None, [EX], prompt, template, 100)
         err = capsys.readouterr().err.strip().splitlines()
         assert stop.value.code == 2 and len(err) == 1, err
         assert err[0].startswith(f"error: prompt() {what}"), err
-        assert ", on row 0: {'question': 'What is 12 + 35?" in err[0], err
+        assert f", on {WHERE}: {{'question': 'What is 12 + 35?" in err[0], err
 
 
 def test_out_is_made_before_loading_and_taken_back_by_a_refusal(tmp_path, monkeypatch, capsys):
@@ -451,9 +482,9 @@ def test_a_reward_outside_float32s_range_is_one_line_naming_the_row(capsys, valu
     every weight: refused where it is returned, naming the row. float32's largest is paid."""
     line, first = refused_reward(capsys, lambda: value)
     assert line.startswith(f"error: reward() returned {value!r}, outside float32's range "
-                           f"(|r| <= 3.4e+38) (test_run_files.py:{first}), on rollout row 0: "), line
+                           f"(|r| <= 3.4e+38) (test_run_files.py:{first}), on {WHERE}: "), line
     largest = float(torch.finfo(torch.float32).max)
-    assert common.score(["a"], [ROW], lambda text, row: -largest)[0] == [-largest]
+    assert common.score(["a"], [EX], lambda text, row: -largest)[0] == [-largest]
 
 
 def test_a_prompt_must_give_string_messages_the_template_takes_in_time(capsys, tiny_dir):
@@ -481,12 +512,12 @@ def test_a_prompt_must_give_string_messages_the_template_takes_in_time(capsys, t
                            ("sleep", "took over --reward_timeout 0.2 s")]:
         start = time.perf_counter()
         with pytest.raises(SystemExit) as stop:
-            common.prompt_token_ids(tokenizer, [ROW], prompt, template, 100, timeout=0.2)
+            common.prompt_token_ids(tokenizer, [EX], prompt, template, 100, timeout=0.2)
         assert time.perf_counter() - start < 2
         err = capsys.readouterr().err.strip().splitlines()
         assert stop.value.code == 2 and len(err) == 1, err
         assert err[0].startswith(f"error: prompt() {what}"), err
         assert f"(test_run_files.py:{first})" in err[0], err
-        assert ", on row 0: {'question'" in err[0], err
-    rows = common.prompt_token_ids(tokenizer, [ROW], prompt, "plain", 10**6, timeout=0.2)
+        assert f", on {WHERE}: {{'question'" in err[0], err
+    rows = common.prompt_token_ids(tokenizer, [EX], prompt, "plain", 10**6, timeout=0.2)
     assert tokenizer.decode(rows[0]["prompt_ids"]).count(ROW["question"]) == 1
