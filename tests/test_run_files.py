@@ -451,7 +451,8 @@ def test_a_reward_outside_float32s_range_is_one_line_naming_the_row(capsys, valu
     every weight: refused where it is returned, naming the row. float32's largest is paid."""
     line, first = refused_reward(capsys, lambda: value)
     assert line.startswith(f"error: reward() returned {value!r}, outside float32's range "
-                           f"(|r| <= 3.4e+38) (test_run_files.py:{first}), on rollout row 0: "), line
+                           f"(|r| <= 3.4e+38) (test_run_files.py:{first}), on rollout row 0: "
+                           ), line
     largest = float(torch.finfo(torch.float32).max)
     assert common.score(["a"], [ROW], lambda text, row: -largest)[0] == [-largest]
 
