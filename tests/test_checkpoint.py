@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from common import (checkpoints, load_optimizer_state, make_optimizer, open_metrics, read_checkpoint,
-                    save_checkpoint)
+from common import (checkpoints, load_optimizer_state, make_optimizer, open_metrics,
+                    read_checkpoint, save_checkpoint)
 
 
 def listing(out):
@@ -172,7 +172,8 @@ def test_a_users_own_checkpoint_folder_is_never_read_as_one_nor_pruned(tiny, tmp
     assert checkpoints(out) == [os.path.join(out, "checkpoint-2")]
     for step in (3, 4, 5):
         save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=step, cursor=8 * step)
-    assert checkpoints(out) == [os.path.join(out, "checkpoint-4"), os.path.join(out, "checkpoint-5")]
+    assert checkpoints(out) == [os.path.join(out, "checkpoint-4"),
+                                os.path.join(out, "checkpoint-5")]
     assert {copy: tree(os.path.join(out, copy)) for copy in theirs} == theirs
 
 
@@ -221,7 +222,8 @@ def test_an_optimizer_state_of_another_model_is_one_line(tiny, tmp_path, capsys)
     fewer = {**state["optimizer"], "param_groups": [{**state["optimizer"]["param_groups"][0],
                                                      "params": [0, 1]}]}
     reshaped = {**state["optimizer"], "state": {**state["optimizer"]["state"]}}
-    reshaped["state"][0] = {k: v if v.dim() == 0 else v[:1] for k, v in reshaped["state"][0].items()}
+    first = reshaped["state"][0]
+    reshaped["state"][0] = {k: v if v.dim() == 0 else v[:1] for k, v in first.items()}
     for saved in (fewer, reshaped):
         with pytest.raises(SystemExit) as e:
             load_optimizer_state(optimizer, scheduler, {**state, "optimizer": saved}, folder)

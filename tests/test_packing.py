@@ -262,14 +262,16 @@ def test_grpo_trains_a_gpt_oss_with_attn_eager_and_says_how(arch_dir, tiny, tmp_
     """`python grpo.py --attn eager` on a tiny gpt-oss (sinks, a sliding window, experts): the
     start-up check finds its masks blind to a packed row, says that each sequence runs in a
     forward of its own, and the run trains a step. With the default --attn varlen it trains
-    packed, the check's error printed."""
+    packed, and says so."""
     folder = tmp_path / "gpt_oss"
     shutil.copytree(arch_dir("gpt_oss"), folder)
     tiny[1].save_pretrained(folder)  # the test tokenizer: the model's rows past it are padding
     command = ["--model", str(folder), "--rollout", "hf", "--steps", "1", "--prompts_per_step",
                "2", "--group_size", "2", "--eval_n", "2", "--max_tokens", "12"]
-    for attn, said in (("eager", "runs each sequence of GptOssForCausalLM in a forward of its own"),
-                       ("varlen", "packed, against each alone through GptOssForCausalLM's own")):
+    for attn, said in (("eager", "(one sequence a forward pass, slower: its masks do not see a "
+                                 "packed row) are the model's own"),
+                       ("varlen", "start-up check passed: the trainer's log-probs (packed) are the "
+                                  "model's own")):
         result = main_of("grpo", command + ["--attn", attn, "--out", str(tmp_path / attn)])
         assert result.returncode == 0, result.stderr[-3000:]
         assert said in result.stdout, result.stdout[-2000:]
