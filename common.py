@@ -190,7 +190,8 @@ def math_reward(completion, gold, timeout=5.0, counts=None):
         as_latex = parse(f"\\boxed{{{answer}}}", latex, parsing_timeout=None)
         if verify(gold_value, as_latex, timeout_seconds=None):  # gold first: not symmetric
             return 1.0
-        # the slower reading, which finds a number in words
+        # the slower reading, which finds a number in a sentence ('Janet makes $18 every day.');
+        # neither reading finds a number in words ('twelve' is no 12: docs/grpo.md#reward)
         as_text = parse(answer, parsing_timeout=None)
         return float(verify(gold_value, as_text, timeout_seconds=None))
     return 0.0  # reached when verify_limits stopped the block: a timeout or an error
@@ -909,14 +910,21 @@ def engine_weights(model, dtype=torch.float32):
 # by side: such a pattern backtracks for long on a line of spaces, and no alarm stops a regex in C.
 ANCHOR = r"(?i)\b(?:final answer|answer)\s*(?:\*\*\s*)?(?:is\b|:)\s*(?:\*\*\s*)?:?\s*(?:\*\*)?"
 # a gold that is a number, so that only a number may match it: -1,234.5, .35, \$36, 3/4,
-# \frac{3}{4}, \frac43, 1\frac{4}{5}; not the pair -2,1, whose comma parts no digit groups
+# \frac{3}{4}, \frac43, 1\frac{4}{5} (its group: the fraction part, which makes the gold exact, as
+# ROUNDING reads it); not the pair -2,1, whose comma parts no digit groups
 NUMBER_GOLD = re.compile(r"(?=\D*\d)(?:\\\$)?-?(?:\d+(?:,\d{3})*)?(?:\.\d+)?"
-                         r"(?:/\d+|\s*\\[dt]?frac\s*(?:\d|\{\d+\})\s*(?:\d|\{\d+\}))?")
+                         r"(/\d+|\s*\\[dt]?frac\s*(?:\d|\{\d+\})\s*(?:\d|\{\d+\}))?")
 # the last side of a chain is what an answer commits to: '82 + 57 = 139', '82+57 → 139',
-# '82 + 57 \Rightarrow 139', 'a => b', 'a -> b', 'a \to b', '\implies', '\longrightarrow', and a
-# rounding, '82.3 + 56.7 \approx 139' ('≈'); not the '=' of '<=', '>=', '!='
-COMMIT = re.compile(r"(?<![<>!])=>?|->|[→⇒⟹≈]"
-                    r"|\\(?:to|approx|implies|(?:[lL]ong)?[rR]ightarrow)(?![a-zA-Z])")
+# '82 + 57 \Rightarrow 139', 'a => b', 'a -> b', 'a \to b', '\implies', '\longrightarrow'; not the
+# '=' of '<=', '>=', '!='
+COMMIT = re.compile(r"(?<![<>!])=>?|->|[→⇒⟹]"
+                    r"|\\(?:to|implies|(?:[lL]ong)?[rR]ightarrow)(?![a-zA-Z])")
+# a rounding, 'e \approx r' ('≈'), states e exact and r rounded. Against a gold that is a fraction
+# (exact) the value is e when e names one number, as math-verify reads '\approx' ('\frac{1}{3}
+# \approx 0.333' is 1/3, '0.333 \approx \frac{1}{3}' is 0.333); else, and against a gold in digits,
+# which may be a rounding itself ('to the nearest tenth'), r, the last side as in any chain ('82.3 +
+# 56.7 \approx 139', '32347.6 \approx 32348'). One side only: '18 \approx 19' is no choice of two
+ROUNDING = re.compile(r"≈|\\approx(?![a-zA-Z])")
 # a bracket (one level nested) after a value (a number, then no '=' or arrow) and a space, and the
 # punctuation that ends the line, when it is a working (an operation in it, '+' or '-' after a
 # number or a bracket, not a sign: '36 dollars (3 * 12).', 'x = 243 (3 * (16.5 + 64.5))',
@@ -996,14 +1004,16 @@ def count_numbers(text):
     return len(NUMBER.findall(SCIENTIFIC.sub("1", SPACING.sub("", APART.sub("*", text)))))
 
 
-def committed_value(answer):
+def committed_value(answer, fraction=None):
     """The value an answer commits to, for a gold that is a number: its last line that names one
     number ('82 + 57\\n139' and '139\\nExplanation: I added 82 and 57.' are '139'), of that line
     its chain's last side ('82+57 → 139' is '139'), less a working or a note in brackets after it
-    ('36 dollars (3 * 12)' is '36 dollars'); None when no line names one number
-    (`count_numbers`)."""
+    ('36 dollars (3 * 12)' is '36 dollars'), of a rounding the side ROUNDING says (`fraction`: the
+    gold's fraction part, '/3' or '\\frac{1}{3}', when it is one); None when no line names one
+    number (`count_numbers`)."""
     for line in reversed(answer.split("\n")):
-        value = COMMIT.split(WORKING.sub(r"\1", line))[-1]
+        sides = ROUNDING.split(COMMIT.split(WORKING.sub(r"\1", line))[-1])  # exact, then rounded
+        value = sides[0] if fraction and count_numbers(sides[0]) == 1 else sides[-1]
         if count_numbers(value) == 1:
             return value
     return None
@@ -1022,9 +1032,11 @@ def committed_answer(completion, gold, counts):
     answer = re.sub(r"(?<=\d)(?:\\,| )(?=\d{3}(?!\d))|`", "", answer)
     # a number is matched by the number the answer commits to, and math-verify judges that alone:
     # '82 + 57' (the question copied) or '82 + 57 = x' is not paid for 139, nor '35 dollars
-    # (3 * 12)' for 36, though math-verify would pay each (docs/grpo.md#reward)
-    if NUMBER_GOLD.fullmatch(str(gold).strip()):
-        return committed_value(answer) or None
+    # (3 * 12)' for 36, though math-verify would pay each (docs/grpo.md#reward); against a fraction,
+    # a rounding's exact side ('\frac{1}{3} \approx 0.333' is 1/3)
+    number = NUMBER_GOLD.fullmatch(str(gold).strip())
+    if number:
+        return committed_value(answer, number[1]) or None
     return answer
 
 

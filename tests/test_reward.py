@@ -104,8 +104,16 @@ RIGHT = [  # (completion, gold): each must score 1.0
     ("<answer>230 (460/2)</answer>", "230"),  # a division in brackets is a working, not one value
     ("<answer>0.15 (\\frac{15}{100})</answer>", "0.15"),
     ("<answer>1,234,567 (1,000,000 + 234,567)</answer>", "1234567"),  # digit groups in the working
-    ("<answer>82.3 + 56.7 \\approx 139</answer>", "139"),  # a rounding is a chain's last side
+    ("<answer>82.3 + 56.7 \\approx 139</answer>", "139"),  # a rounding of arithmetic: its last side
     ("<answer>82.3 + 56.7 \u2248 139</answer>", "139"),
+    # issue 62: a rounding, one side judged. Against a fraction its exact side, as math-verify
+    # reads '\approx'; against a gold in digits, which may be a rounding itself, its last side
+    ("<answer>\\frac{1}{3} \\approx 0.333</answer>", "1/3"),
+    ("\\boxed{\\frac{14}{3} \\approx 4.67}", "\\frac{14}{3}"),
+    ("<answer>x = 1/3 \u2248 0.33 \u2248 0.3</answer>", "\\frac13"),
+    ("<answer>\\frac{1}{3} \\approx 0.3</answer>", "0.3"),  # 'to the nearest tenth'
+    ("<answer>32347.6 \\approx 32348</answer>", "32348"),  # 'to the nearest whole number'
+    ("<answer>18 \\approx 19</answer>", "19"),
     ("<answer>`139`</answer>", "139"),  # markdown's code marks
     ("The answer is `139`.", "139"),
     ("<Answer>139</Answer>", "139"),  # the tag in any case
@@ -168,6 +176,15 @@ WRONG = [  # each must score 0.0
     ("<answer>139\n138</answer>", "139"),  # the last line that commits counts, as the last box
     ("<answer>139\nExplanation: half of 278.</answer>", "139"),  # a line with one number: a value
     ("The answer is 82 + 57\n139", "139"),  # a closed line: the anchor's phrase ends there
+    # issue 62: a rounding is judged by one side only, chosen by the gold: never a choice of two
+    ("<answer>18 \\approx 19</answer>", "18"),  # against digits, the last side
+    ("<answer>\\frac{1}{3} \\approx \\frac{1}{2}</answer>", "1/2"),  # against a fraction, the exact
+    ("<answer>0.333 \\approx \\frac{1}{3}</answer>", "1/3"),  # side: 0.333, as math-verify reads it
+    ("<answer>x \\approx 0.333</answer>", "1/3"),  # a rounding alone is no fraction
+    ("<answer>1/3 + 1/4 \\approx 0.583</answer>", "7/12"),  # e a sum: 0.583 is judged
+    # a number in words: neither of math-verify's readings finds one, nor does count_numbers
+    ("The answer is twelve.", "12"),
+    ("<answer>twelve</answer>", "12"),
 ]
 # Arithmetic on numbers left undone, or an equation left open, against a number: math-verify would
 # evaluate it and pay, but a number must be matched by the number the answer commits to
@@ -344,6 +361,26 @@ def test_what_an_answer_commits_to():
               "139 (or 82 + 58)": "139"}  # (a limit: an alternative as arithmetic is a working)
     for answer, value in stated.items():
         assert committed_value(answer).strip() == value, answer
+    # a rounding: its last side, or against a fraction gold (its fraction part given) its exact side
+    # when that names one number
+    rounded = {"\\frac{1}{3} \\approx 0.333": ("0.333", "\\frac{1}{3}"),
+               "x = 1/3 \u2248 0.33 \u2248 0.3": ("0.3", "1/3"),
+               "82.3 + 56.7 \\approx 139": ("139", "139"), "x \\approx 0.333": ("0.333", "0.333"),
+               "0.333 \\approx \\frac{1}{3}": ("\\frac{1}{3}", "0.333")}
+    for answer, (digits, exact) in rounded.items():
+        assert committed_value(answer).strip() == digits, answer
+        assert committed_value(answer, "\\frac{1}{3}").strip() == exact, answer
+
+
+def test_a_number_in_words_is_not_read():
+    """math_reward's comment and docs/grpo.md#reward say so: math-verify reads no number in words,
+    as text or as LaTeX (a product of letters), so 'twelve' is no 12 (issue 62)."""
+    from math_verify import parse, verify
+    gold = parse("\\boxed{12}")
+    for answer in ("twelve", "The answer is twelve.", "one hundred"):
+        assert parse(answer) == [], answer
+        assert not verify(gold, parse(f"\\boxed{{{answer}}}")), answer
+        assert committed_value(answer) is None, answer
 
 
 def test_a_right_answer_scores_off_the_main_thread():

@@ -19,8 +19,9 @@ BUDGETS = {  # file -> most code tokens
     # common.py's aim is 10,500 (issue 57, open). It was 11,000 until the packed step became exact
     # on sliding windows and attention sinks with a start-up check (issue 55) and the user's reward
     # and prompt were called safely (issue 56): about 2,300 tokens of hardening. Simplifying what
-    # stays paid back about 230 of them (13,250); this bound stops it growing again.
-    "common.py": 13_250,
+    # stays paid back about 230 of them (13,250); this bound stops it growing again. Issue 62's
+    # rounding rule in the reward (a rounding's exact side against a fraction gold) added 49.
+    "common.py": 13_299,
     "grpo.py": 1_300,
     "two_grpo.py": 2_600,
     "cppo.py": 2_600,
