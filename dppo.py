@@ -53,6 +53,16 @@ def prompt(row, template):
 # ==================================================================================================
 
 
+# The flags whose default is recipe_arg's take it from the run's recipe, which follows the model
+# (common.recipe_of, RECIPE; a run's first line says which it took, and every value is a flag):
+#   flag                toy/model    toy/chains/model    any other model (1.5B on one GPU)
+#   --prompts_per_step  32           16                  32
+#   --lr                3e-4         3e-4                1e-6
+#   --max_tokens        24           200                 1024
+#   --steps             40           80                  0 (one pass over the training prompts)
+#   --eval_every        10           10                  50
+#   --eval_n            200          300                 500
+# --model and --template are the dataset's (the toy's model otherwise; GSM8K's and MATH's prompt)
 @dataclass
 class Args:
     # what to train, where to write
@@ -276,7 +286,7 @@ def main():
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
             rows = [row for row in batch for _ in range(G)]  # each completion's dataset row
-            # NaN: left unread (a call past --reward_timeout, or the step's budget spent)
+            # NaN: an answer left unread (its reward() past --reward_timeout or the step's 120 s)
             rewards, reward_counts = score(texts, rows, reward, args.reward_timeout)
             rewards = torch.tensor(rewards).view(-1, G)  # [B', G]
             advantages = group_advantages(rewards, args.std_mode, args.adv_eps)  # [B', G]
@@ -303,7 +313,9 @@ def main():
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
-            if args.mu > 1:  # else on-policy: old = logp.detach()
+            # mu > 1: the policy moves between the updates, so the ratio's pi_old is its
+            # log-probs before the first (mu = 1: policy_update takes logps.detach(), ratio 1)
+            if args.mu > 1:
                 for sample, logps in zip(trained, sequence_logprobs(model, trained, passes)):
                     sample.old_logps = logps
             if run.ref_model is not None:  # beta = 0 loads no reference model

@@ -24,8 +24,9 @@ from tqdm import tqdm
 
 from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die, finish_step,
                     gold_answer, group_advantages, math_reward, parse_args, policy_update,
-                    recipe_arg, recipe_of, rollout_seed, score, sequence_logprobs, setup,
-                    take_prompts, template_messages, token_coefficients)
+                    recipe_arg, rollout_seed, score, sequence_logprobs, setup, take_prompts,
+                    template_messages, token_coefficients)
+from common import recipe_of  # the encoder follows the policy model (encoder_recipe)
 
 METHOD = "mmr_grpo"  # names the run, its bar and config.json
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the paper's jina needs remote code
@@ -57,6 +58,16 @@ def prompt(row, template):
 # ==================================================================================================
 
 
+# The flags whose default is recipe_arg's take it from the run's recipe, which follows the model
+# (common.recipe_of, RECIPE; a run's first line says which it took, and every value is a flag):
+#   flag                toy/model    toy/chains/model    any other model (1.5B on one GPU)
+#   --prompts_per_step  32           16                  32
+#   --lr                3e-4         3e-4                1e-6
+#   --max_tokens        24           200                 1024
+#   --steps             40           80                  0 (one pass over the training prompts)
+#   --eval_every        10           10                  50
+#   --eval_n            200          300                 500
+# --model and --template are the dataset's (the toy's model otherwise; GSM8K's and MATH's prompt)
 @dataclass
 class Args:
     # what to train, where to write
@@ -257,7 +268,7 @@ def main():
             texts = tokenizer.batch_decode([ids for group in outputs for ids, _ in group],
                                            skip_special_tokens=True)
             rows = [row for row in batch for _ in range(G)]  # each completion's dataset row
-            # NaN: left unread (a call past --reward_timeout, or the step's budget spent)
+            # NaN: an answer left unread (its reward() past --reward_timeout or the step's 120 s)
             rewards, reward_counts = score(texts, rows, reward, args.reward_timeout)
             rewards = torch.tensor(rewards).view(B, G)  # [B, G]
         with timer("mmr"):  # [B, G], [B], [B, G, G]
@@ -271,7 +282,9 @@ def main():
                                     reward=float(rewards[q, i]),
                                     advantage=float(advantages[q, i]), sample_logps=logps)
                     samples.append(sample)
-            trained = [s for s in samples if not math.isnan(s.reward)]  # an unread one: none
+            trained = [s for s in samples if not math.isnan(s.reward)]  # the unread left out
+            # c_i, each sample's weight in the loss: 1 / (|o_i| N) with seq_mean, the paper's
+            # (docs/grpo.md#eq-aggregation)
             lengths = [len(s.completion_ids) for s in trained]
             coefs = token_coefficients(lengths, args.loss_agg, max_len=args.max_tokens)
             for sample, coef in zip(trained, coefs.tolist()):
@@ -279,7 +292,9 @@ def main():
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
-            if args.mu > 1:  # else on-policy: old = logp.detach()
+            # mu > 1: the policy moves between the updates, so the ratio's pi_old is its
+            # log-probs before the first (mu = 1: policy_update takes logps.detach(), ratio 1)
+            if args.mu > 1:
                 for sample, logps in zip(trained, sequence_logprobs(model, trained, passes)):
                     sample.old_logps = logps
             if run.ref_model is not None:  # beta = 0 loads no reference model

@@ -25,8 +25,9 @@ from tqdm import tqdm
 
 from common import (DATASETS, TEMPLATES, PhaseTimer, Sample, arg, batch_metrics, die, finish_step,
                     gold_answer, group_advantages, math_reward, parse_args, policy_update,
-                    recipe_arg, recipe_of, rollout_seed, score, sequence_logprobs, setup,
-                    take_prompts, template_messages, tied_groups, token_coefficients)
+                    recipe_arg, rollout_seed, score, sequence_logprobs, setup, take_prompts,
+                    template_messages, tied_groups, token_coefficients)
+from common import recipe_of  # B and lr follow grpo.py's recipe (pair_recipe)
 
 METHOD = "two_grpo"  # names the run, its bar and config.json
 
@@ -57,6 +58,17 @@ def prompt(row, template):
 # ==================================================================================================
 
 
+# The flags whose default is recipe_arg's take it from the run's recipe, which follows the model
+# (common.recipe_of, RECIPE; a run's first line says which it took, and every value is a flag):
+#   flag                toy/model    toy/chains/model    any other model (1.5B on one GPU)
+#   --prompts_per_step  32           16                  32
+#   --lr                3e-4         3e-4                1e-6
+#   --max_tokens        24           200                 1024
+#   --steps             40           80                  0 (one pass over the training prompts)
+#   --eval_every        10           10                  50
+#   --eval_n            200          300                 500
+# --model and --template are the dataset's (the toy's model otherwise; GSM8K's and MATH's prompt)
+# (2-GRPO: --prompts_per_step and --lr are pair_recipe's, from these: see their flags)
 @dataclass
 class Args:
     # what to train, where to write
@@ -71,7 +83,7 @@ class Args:
                        choices=["auto", "vllm", "hf"])
     prompts_per_step: int = arg(None, "B: prompts per step",
                                 shown="256 (16-GRPO's 32 x 16 rollouts); "
-                                      "toy and chains: grpo.py's B x 8 rollouts in pairs")
+                                      "toy, chains models: grpo.py's B x 8 rollouts in pairs")
     group_size: int = arg(2, "G: completions sampled per prompt (the method is G = 2)")
     temperature: float = arg(1.0, "sampling temperature (the trainer divides its logits by it too)")
     max_tokens: int = recipe_arg("max_tokens", "maximum completion length in tokens")
@@ -96,8 +108,8 @@ class Args:
     # optimisation
     steps: int = recipe_arg("steps", "training steps (0 = one pass over the training prompts)")
     lr: float = arg(None, "AdamW learning rate",
-                    shown="the dataset's GRPO rate x B / its GRPO B (linear scaling): 8e-6 real; "
-                          "toy and chains keep GRPO's 3e-4 (docs/two_grpo.md#toy)")
+                    shown="the recipe's GRPO rate x B / its GRPO B (linear scaling): 8e-6 real; "
+                          "toy, chains models keep GRPO's 3e-4 (docs/two_grpo.md#toy)")
     lr_schedule: str = arg("constant", "after the warm-up: constant, or cosine decay to 10%",
                            choices=["constant", "cosine"])
     warmup_steps: int = arg(10, "linear learning-rate warm-up, in optimiser steps")
@@ -226,7 +238,7 @@ def main():
                 texts = tokenizer.batch_decode([ids for group in out for ids, _ in group],
                                                skip_special_tokens=True)
                 rows = [row for row in new for _ in range(G)]  # each completion's dataset row
-                # NaN: left unread (a call past --reward_timeout, or the step's budget spent)
+                # NaN: an answer left unread (reward() past --reward_timeout or the step's 120 s)
                 scores, counts = score(texts, rows, reward, args.reward_timeout)
                 reward_counts.update(counts)
             batch += new
@@ -265,7 +277,9 @@ def main():
 
         # 4. old / reference log-probs, then mu clipped updates  (docs/grpo.md#eq-objective)
         with timer("logp"):
-            if args.mu > 1:  # else on-policy: old = logp.detach()
+            # mu > 1: the policy moves between the updates, so the ratio's pi_old is its
+            # log-probs before the first (mu = 1: policy_update takes logps.detach(), ratio 1)
+            if args.mu > 1:
                 for sample, logps in zip(trained, sequence_logprobs(model, trained, passes)):
                     sample.old_logps = logps
             if run.ref_model is not None:  # beta = 0 loads no reference model

@@ -15,7 +15,7 @@ import tokenize
 
 NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
             tokenize.ENDMARKER}
-HEADING = re.compile(r"^# (Part I+|\d+[a-z]?)\. ")  # common.py's headings: '# Part I. ', '# 4a. '
+HEADING = re.compile(r"^# (Part [IV]+|\d+[a-z]?)\. ")  # headings: '# Part IV. ', '# 4a. '
 
 
 # Python 3.12 and newer split an f-string into pieces (its text, each {field}): counted as one

@@ -521,3 +521,17 @@ def test_a_prompt_must_give_string_messages_the_template_takes_in_time(capsys, t
         assert f", on {WHERE}: {{'question'" in err[0], err
     rows = common.prompt_token_ids(tokenizer, [EX], prompt, "plain", 10**6, timeout=0.2)
     assert tokenizer.decode(rows[0]["prompt_ids"]).count(ROW["question"]) == 1
+
+
+@pytest.mark.parametrize("script", ["grpo", "two_grpo", "cppo", "dppo", "mmr_grpo"])
+def test_each_scripts_recipe_table_is_commons(script):
+    """Each script shows the recipes above its flags, so that a reader of the flags needs no
+    look-up: every value of that table is common's (DATASETS' toy and chains, RECIPE), every
+    recipe flag is in it."""
+    import re
+    text = open(os.path.join(os.path.dirname(common.__file__), f"{script}.py")).read()
+    rows = re.findall(r"^#   --(\w+) +(\S+) +(\S+) +(\S+)", text, re.M)
+    recipes = (DATASETS["toy"], DATASETS["chains"], RECIPE)
+    assert {flag for flag, *_ in rows} == set(RECIPE) - {"model", "template"}
+    for flag, *values in rows:
+        assert [float(v) for v in values] == [recipe[flag] for recipe in recipes], flag

@@ -49,21 +49,25 @@ def test_common_part_one_is_within_its_budget_at_ten_tokens_a_line():
     second = next(i for i, h in enumerate(headings) if h.startswith("Part II."))
     tokens = sum(t for _, t, _ in found[first:second])
     lines = sum(n for _, _, n in found[first:second])
-    assert second - first >= 7, "Part I's sections (1. rollout .. 6. log-probs) were not found"
-    assert tokens <= 5_300, f"Part I: {tokens} code tokens, budget 5,300"
+    assert second - first >= 6, "Part I's sections (1. advantages .. 5. log-probs) were not found"
+    assert tokens <= 2_500, f"Part I: {tokens} code tokens, budget 2,500"
     assert tokens / lines <= 10, f"Part I: {tokens / lines:.1f} code tokens a line, at most 10"
 
 
-def test_common_part_one_is_a_short_read_with_the_loss_early():
-    """Part I is the GRPO step a newcomer reads (issue 57): at most 350 non-blank lines from its
-    heading to Part II's, token_loss defined within the first 200 of them."""
+def test_common_part_one_is_the_maths_with_the_loss_early():
+    """Part I is the GRPO step's maths a newcomer reads first (issue 64): at most 250 non-blank
+    lines from its heading to Part II's, token_loss defined within the first 80 of them, and
+    neither the rollout engines nor the math reward defined in it."""
     lines = source("common.py").splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("# Part I."))
     second = next(i for i, line in enumerate(lines) if line.startswith("# Part II."))
     part = [line for line in lines[first:second] if line.strip()]
     loss = next(k for k, line in enumerate(part) if line.startswith("def token_loss("))
-    assert len(part) <= 350, f"Part I: {len(part)} non-blank lines, at most 350"
-    assert loss < 200, f"token_loss at Part I's non-blank line {loss + 1}, within 200"
+    assert len(part) <= 250, f"Part I: {len(part)} non-blank lines, at most 250"
+    assert loss < 80, f"token_loss at Part I's non-blank line {loss + 1}, within 80"
+    defined = {line.split()[1].split("(")[0] for line in part
+               if line.startswith(("def ", "class "))}
+    assert not defined & {"VLLMEngine", "HFEngine", "math_reward", "score"}, defined
 
 
 def test_code_tokens_ignore_comments_docstrings_and_layout():
