@@ -62,7 +62,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 # vLLM's warnings (one per weight push) would drown the progress bar
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-# math-verify warns that it cannot set its own alarm: we run ours (section 2)
+# math-verify warns that it cannot set its own alarm: we run ours (section 10)
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 # transformers' loading and saving bars would break the training bar
 transformers.utils.logging.disable_progress_bar()
@@ -1312,20 +1312,16 @@ DROPOUT = re.compile(r"dropout|pdrop|layerdrop|jitter")
 
 
 def no_dropout(model):
-    """Every dropout rate of `model` set to 0: in its configs (some layers read them at each
-    forward) and its modules (most copy them when built). The trainer's passes run in train mode,
-    which gradient checkpointing needs, and must compute the log-probs the engine samples from:
-    the model's own in eval mode (check_packing checks it). Its checkpoints save these zeros."""
-    config = model.config
-    configs = [config] + [getattr(config, k, None) for k in config.sub_configs]  # (multimodal)
-    modules = list(model.modules())
-    for owner in [c for c in configs if c is not None] + modules:
+    """Every dropout rate of `model` set to 0: in its config (some layers read it at each forward)
+    and its modules (most copy it when built). The trainer's passes run in train mode, which
+    gradient checkpointing needs, and must compute the log-probs the engine samples from: the
+    model's own in eval mode (check_packing checks it). Its checkpoints save these zeros."""
+    for owner in [model.config, *model.modules()]:
         for name, value in vars(owner).items():
-            if DROPOUT.search(name) and type(value) in (int, float) and value:
+            if DROPOUT.search(name) and type(value) is float:
                 setattr(owner, name, 0.0)
-    for module in modules:
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            module.p = 0.0
+        if isinstance(owner, torch.nn.modules.dropout._DropoutNd):
+            owner.p = 0.0
 
 
 PROBE_TOLERANCE = 1e-3  # nats per token: fp32's summation order moves a log-prob by ~1e-6
@@ -2128,15 +2124,12 @@ def checkpoints(out):
             if os.path.isfile(os.path.join(folders[step], "state.pt"))]
 
 
-# what each field of state.pt must be (save_checkpoint writes them; dppo.py adds "history")
+# what each field of state.pt must be (save_checkpoint writes them; dppo.py adds "history"); the
+# optimiser's and the scheduler's are checked as they load (load_optimizer_state)
 STATE_FIELDS = {
-    "step": ("an int in [1, 2^20)", lambda v: type(v) is int and 1 <= v < 2 ** 20),
+    "step": ("an int in [1, 2^20)", lambda v: type(v) is int and 0 < v < 2 ** 20),
     "cursor": ("an int >= 0", lambda v: type(v) is int and v >= 0),
-    "optimizer": ("AdamW's state_dict", lambda v: isinstance(v, dict)
-                  and isinstance(v.get("state"), dict) and isinstance(v.get("param_groups"), list)),
-    "scheduler": ("a scheduler's state_dict", lambda v: isinstance(v, dict)),
-    "train_s": ("a finite number >= 0",
-                lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0),
+    "train_s": ("a finite number >= 0", lambda v: type(v) is float and 0 <= v < math.inf),
     "history": ("{row: tied} of ints and bools", lambda v: isinstance(v, dict) and all(
         type(row) is int and type(tied) is bool for row, tied in v.items())),
 }
@@ -2144,13 +2137,11 @@ STATE_FIELDS = {
 
 def read_checkpoint(folder):
     """state.pt, weights_only (a shared run folder must not run code here), every field checked
-    before anything in the run folder is written (the optimiser against the model: setup)."""
+    before anything in the run folder is written."""
     try:
         state = torch.load(os.path.join(folder, "state.pt"), map_location="cpu", weights_only=True)
     except Exception as e:
         die(f"--resume: {folder} is damaged or is not a checkpoint this code wrote ({e!r:.300})")
-    if not isinstance(state, dict):
-        die(f"--resume: {folder}/state.pt holds no dict: not a checkpoint this code wrote")
     missing = [k for k in ("step", "cursor", "optimizer", "scheduler") if k not in state]
     if missing:
         die(f"--resume: {folder}/state.pt lacks {', '.join(missing)}: not a checkpoint this code "
@@ -2163,20 +2154,14 @@ def read_checkpoint(folder):
 
 
 def load_optimizer_state(optimizer, scheduler, state, folder):
-    """The optimiser's and the scheduler's state from a checkpoint, once its groups and each
-    parameter's moments match the model (torch checks the counts, not the shapes); else one
-    line."""
-    saved = state["optimizer"]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    """The optimiser's and the scheduler's state from a checkpoint, or one line when they are not
+    this model's (torch checks the parameters' counts; each moment's shape is checked here)."""
     try:
-        ids = [i for group in saved["param_groups"] for i in group["params"]]
-        moments = [(t.shape, p.shape) for i, p in zip(ids, params)
-                   for t in saved["state"].get(i, {}).values() if torch.is_tensor(t) and t.dim()]
-        if len(ids) != len(params) or any(a != b for a, b in moments):
-            raise ValueError(f"{len(ids)} parameters saved, {len(params)} in the model, or "
-                             "their shapes differ")
-        optimizer.load_state_dict(saved)
+        optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        for param, moments in optimizer.state.items():
+            if any(m.dim() and m.shape != param.shape for m in moments.values()):
+                raise ValueError(f"a moment's shape is not its parameter's, {tuple(param.shape)}")
     except Exception as e:
         die(f"--resume: {folder}/state.pt's optimizer does not match the model ({e!r:.200}): "
             "not a checkpoint of this run")
@@ -2262,13 +2247,11 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     --time_budget spent), when it also closes the bar and prints the run's last line."""
     args = run.args
     done = row["step"]
-    broken = [k for k in ("loss", "grad_norm") if k in row and not math.isfinite(row[k])]
-    if broken:  # policy_update did not apply it: the weights and checkpoints are the last good
-        kept = checkpoints(args.out)
-        kept = f"its last checkpoint, {kept[-1]}, is as it was" if kept else "no checkpoint yet"
-        die(f"step {done}: the update's {' and '.join(broken)} is not finite ("
-            f"{', '.join(f'{k} {row[k]}' for k in broken)}), so it was not applied and the run "
-            f"stops ({kept}): a smaller --lr, or a reward of smaller size")
+    # policy_update did not apply a non-finite update: the weights and checkpoints are as they were
+    if not math.isfinite(row.get("loss", 0.0) + row.get("grad_norm", 0.0)):
+        die(f"step {done}: the update's loss ({row['loss']}) or gradient norm ({row['grad_norm']}) "
+            f"is not finite, so it was not applied and the run stops, its checkpoints in "
+            f"{args.out} as they were: a smaller --lr, or a reward of smaller size")
     row["tokens_per_s"] = row["tokens"] / row["step_s"]
     if torch.cuda.is_available():  # torch's peak since the last step (vLLM's share too)
         row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -2343,13 +2326,11 @@ def call_prompt(prompt, row, template, where, seconds=REWARD_TIMEOUT_S):
     except Exception as e:
         user_error("prompt", prompt, where, row, f"raised {e!r}", e.__traceback__)
     ok = isinstance(messages, list) and len(messages) > 0
-    if not ok or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages):
-        user_error("prompt", prompt, where, row,
-                   f"returned {messages!r:.80}, not a list of {{'role', 'content'}} messages")
-    for m in messages:
-        if not (isinstance(m["role"], str) and isinstance(m["content"], str)):
-            user_error("prompt", prompt, where, row, f"returned the message {m!r:.80}, whose "
-                       "role and content must be strings")
+    ok = ok and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str) for m in messages)
+    if not ok:
+        user_error("prompt", prompt, where, row, f"returned {messages!r:.80}, not a list of "
+                   "{'role', 'content'} messages whose values are strings")
     return messages
 
 

@@ -181,8 +181,7 @@ def test_a_users_own_checkpoint_folder_is_never_read_as_one_nor_pruned(tiny, tmp
     ("step", "3", "an int in [1, 2^20)"), ("step", 0, "an int in [1, 2^20)"),
     ("step", True, "an int in [1, 2^20)"), ("cursor", -8, "an int >= 0"),
     ("cursor", 8.0, "an int >= 0"), ("train_s", float("nan"), "a finite number >= 0"),
-    ("train_s", -1.0, "a finite number >= 0"), ("optimizer", [], "AdamW's state_dict"),
-    ("optimizer", {"state": {}}, "AdamW's state_dict"), ("scheduler", 3, "a scheduler's"),
+    ("train_s", -1.0, "a finite number >= 0"), ("train_s", 2, "a finite number >= 0"),
     ("history", {"3": True}, "{row: tied} of ints and bools"),
     ("history", {3: 1}, "{row: tied} of ints and bools"),
 ])
@@ -208,7 +207,8 @@ def test_every_field_of_a_state_file_is_checked(tiny, tmp_path, capsys, field, v
 def test_an_optimizer_state_of_another_model_is_one_line(tiny, tmp_path, capsys):
     """The optimiser's groups and each parameter's moments must match the model's: torch's
     load_state_dict checks the counts (a traceback) and not the shapes (a crash at the first
-    step); both are one line here. The run's own loads."""
+    step); both are one line here, as an optimiser or scheduler state that is no state_dict. The
+    run's own loads."""
     model, tokenizer = tiny
     optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, 10, "constant")
     for p in model.parameters():
@@ -224,9 +224,13 @@ def test_an_optimizer_state_of_another_model_is_one_line(tiny, tmp_path, capsys)
     reshaped = {**state["optimizer"], "state": {**state["optimizer"]["state"]}}
     first = reshaped["state"][0]
     reshaped["state"][0] = {k: v if v.dim() == 0 else v[:1] for k, v in first.items()}
-    for saved in (fewer, reshaped):
+    for saved in (fewer, reshaped, [], {"state": {}}, {**state, "scheduler": 3}):
+        if isinstance(saved, dict) and "scheduler" in saved:  # a scheduler's state that is none
+            damaged = saved
+        else:
+            damaged = {**state, "optimizer": saved}
         with pytest.raises(SystemExit) as e:
-            load_optimizer_state(optimizer, scheduler, {**state, "optimizer": saved}, folder)
+            load_optimizer_state(optimizer, scheduler, damaged, folder)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1, err
         assert err[0].startswith(f"error: --resume: {folder}/state.pt's optimizer does not match "

@@ -399,7 +399,8 @@ def test_a_prompt_that_fails_is_one_line(capsys):
     first = prompt.__code__.co_firstlineno
     for template, what in [("raise", f"raised KeyError('missing') (test_run_files.py:{first + 1})"),
                            ("a string", "returned 'a string', not a list of {'role', 'content'} "
-                                        f"messages (test_run_files.py:{first})"),
+                                        "messages whose values are strings "
+                                        f"(test_run_files.py:{first})"),
                            ([], "returned [], not a list of")]:
         with pytest.raises(SystemExit) as stop:
             common.prompt_token_ids(None, [EX], prompt, template, 100)
@@ -504,9 +505,9 @@ def test_a_prompt_must_give_string_messages_the_template_takes_in_time(capsys, t
         content = {"none": None, "number": 12, "role": "q"}.get(template, row["question"])
         return [{"role": "narrator" if template == "role" else "user", "content": content}]
     first = prompt.__code__.co_firstlineno
-    for template, what in [("none", "returned the message {'role': 'user', 'content': None}, "
-                                    "whose role and content must be strings"),
-                           ("number", "returned the message {'role': 'user', 'content': 12}"),
+    for template, what in [("none", "returned [{'role': 'user', 'content': None}], not a list of "
+                                    "{'role', 'content'} messages whose values are strings"),
+                           ("number", "returned [{'role': 'user', 'content': 12}], not a list"),
                            ("role", "returned a 'narrator' message that the tokenizer's chat "
                                     "template leaves out"),
                            ("sleep", "took over --reward_timeout 0.2 s")]:
