@@ -2247,6 +2247,7 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     --time_budget spent), when it also closes the bar and prints the run's last line."""
     args = run.args
     done = row["step"]
+    no_validation = run.test_rows is run.eval_rows  # (load_task: the test split stands in)
     # policy_update did not apply a non-finite update: the weights and checkpoints are as they were
     if not math.isfinite(row.get("loss", 0.0) + row.get("grad_norm", 0.0)):
         die(f"step {done}: the update's loss ({row['loss']}) or gradient norm ({row['grad_norm']}) "
@@ -2263,7 +2264,7 @@ def finish_step(run, bar, row, cursor, extra_state=None):
         run.eval_score = evaluate(run, run.eval_rows)
         row[f"eval_{run.metric}"] = run.eval_score
     if last:
-        if run.test_rows is run.eval_rows:  # no validation split: the test was just evaluated
+        if no_validation:  # the test split was just evaluated
             run.test_score = run.eval_score
         else:
             run.test_score = evaluate(run, run.test_rows)
@@ -2272,7 +2273,7 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     warn_flat_reward(run, row, bar)
     held_out = "-" if run.eval_score is None else f"{run.eval_score:.3f}"
     # (with no validation split the held-out score during training is the test split's)
-    scored = run.metric if run.test_rows is not run.eval_rows else f"test {run.metric}"
+    scored = f"test {run.metric}" if no_validation else run.metric
     bar.set_postfix({"reward": f"{row['reward_mean']:.3f}", scored: held_out,
                      "cut": f"{row['truncated']:.2f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
     if done % args.save_every == 0 or last:
@@ -2284,7 +2285,7 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     if last:
         bar.close()
         validation = f"validation {run.eval_score:.3f}"
-        if run.test_rows is run.eval_rows:
+        if no_validation:
             validation = "no validation split: the test prompts were scored during training"
         print(f"done: test {run.metric} {run.test_score:.3f} ({validation}) after {done} steps; "
               f"metrics and checkpoint in {args.out}")
