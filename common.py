@@ -1250,9 +1250,9 @@ def lm_head(model, vocab_size, bf16):
     chunk)."""
     head = model.get_output_embeddings()
     weight = head.weight[:vocab_size]  # [V, d]
-    bias = None
-    if getattr(head, "bias", None) is not None:
-        bias = head.bias[:vocab_size]  # [V]
+    bias = getattr(head, "bias", None)
+    if bias is not None:
+        bias = bias[:vocab_size]  # [V]
     if bf16:
         weight = weight.to(torch.bfloat16)
     return weight, bias
@@ -1738,8 +1738,10 @@ def gold_answer(row):
         if "####" in a:  # GSM8K: the worked solution, then '#### 1,018'
             return a.rsplit("####", 1)[1].strip().replace(",", "")
         return a.strip()
-    if isinstance(row.get("solution"), str) and last_boxed(row["solution"]):
-        return last_boxed(row["solution"])
+    solution = row.get("solution")
+    boxed = isinstance(solution, str) and last_boxed(solution)
+    if boxed:
+        return boxed
     raise ValueError("the row has no 'answer' that is a string or a finite number, nor a "
                      "'solution' with a \\boxed{}")
 
