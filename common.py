@@ -1627,7 +1627,7 @@ def check_new_out(out):
     if run_config(out):
         die(f"--out {out!r} holds a run that stopped before its first checkpoint: delete it, or "
             "pick another --out")
-    if existing == os.path.abspath(out) and os.listdir(out):
+    if made is None and os.listdir(out):  # (nothing to make: --out exists)
         held = ", ".join(sorted(os.listdir(out))[:3])
         die(f"--out {out!r} holds files that are not a run of this code ({held}, ...): --out "
             "must be a new or empty folder, so that nothing in it is overwritten")
