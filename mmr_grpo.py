@@ -172,6 +172,8 @@ def load_encoder(spec, device, trust_remote_code=False):
 def embed(encoder, texts):
     """[N, d] embeddings of the decoded completions (no grad); the prompt is not embedded, as in the
     official code."""
+    if not any(texts):  # all empty: zeros, as an empty one among others (the toy's has no token)
+        return torch.zeros(len(texts), encoder.get_sentence_embedding_dimension())  # [N, d]
     return encoder.encode(texts, convert_to_tensor=True, show_progress_bar=False).float()
 
 

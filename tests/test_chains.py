@@ -183,7 +183,7 @@ def test_model_generates_its_reasoning_in_the_vllm_engine():
     assert all(o[0][0][-1] == tokenizer.eos_token_id for o in out)  # it stops by itself
     assert all(t.rstrip().endswith("</answer>") and "+" in t
                for t in texts)  # reasoning, then the tag
-    assert 0 < sum(math_reward(t, r["answer"]) for t, r in zip(texts, rows)) < len(rows)
+    assert 0 < sum(math_reward(t, r["row"]["answer"]) for t, r in zip(texts, rows)) < len(rows)
 
 
 def test_a_few_steps_of_grpo_on_chains_end_to_end(tmp_path):
@@ -221,9 +221,10 @@ def test_recipe_and_missing_files(tmp_path, monkeypatch, capsys):
         parse_args(Args, "grpo", "", argv=["--help"])
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
     assert e.value.code == 0
-    for text in [f"chains {recipe['steps']}", f"chains {recipe['prompts_per_step']}",
-                 "chains toy/chains/model", f"chains {recipe['max_tokens']}",
-                 f"chains {recipe['eval_n']}"]:
+    for text in [f"the chains model: {recipe['steps']}",
+                 f"the chains model: {recipe['prompts_per_step']}",
+                 "--dataset chains: toy/chains/model", f"the chains model: {recipe['max_tokens']}",
+                 f"the chains model: {recipe['eval_n']}"]:
         assert text in shown, text
 
     def refused(*flags):

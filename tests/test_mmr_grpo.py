@@ -231,6 +231,12 @@ def test_real_embeddings_feed_the_similarity(tmp_path, tiny_dir, kind):
     new, lam, _ = mmr_reweight(torch.tensor([[1.0, 1, 1, 0], [1.0, 0, 0, 0]]), emb)
     # the exact duplicate of the seed earns less than the paraphrase
     assert new[0, 0] == 1 and new[0, 2] < new[0, 1]
+    # an empty completion (the plain model's tokenizer gives it no token) embeds as zeros, alone
+    # too: a step whose completions are all empty does not crash the encoder
+    alone = embed(encoder, ["", ""])
+    assert alone.shape == emb[:2].shape and not alone.any()
+    if kind == "plain_model_folder":
+        assert not embed(encoder, [TEXTS[0], ""])[1].any()
 
 
 def test_toy_encoder_is_the_toy_policy_mean_pooled():
@@ -292,7 +298,8 @@ def inputs(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--embed_model", "/no/such/encoder"], "--embed_model '/no/such/encoder' could not be loaded"),
     (["--embed_model", "{tmp}/not_a_model"], "not_a_model' could not be loaded"),
-    (["--dataset", "{tmp}/small.jsonl"],
+    # a model that is no built-in task's: the paper's encoder, not in the offline cache
+    (["--dataset", "{tmp}/small.jsonl", "--model", "{tmp}/not_a_model"],
      "--embed_model 'sentence-transformers/all-MiniLM-L6-v2' could not be loaded"),
     (["--sim_floor", "maybe"], "Truthy value expected: got maybe"),
     (["--no_sim_floor", "yes"], "unrecognized arguments: yes"),

@@ -197,8 +197,9 @@ def test_a_run_that_cannot_fit_is_refused_with_the_flags_that_cut_it(monkeypatch
 
 def test_start_up_lines_and_a_flat_reward_flagged(tmp_path):
     """--max_tokens 2 cuts every completion before its stop token: the run says so on one line,
-    and that nothing can be learned once every group has tied for 3 steps; the start-up names
-    each slow phase and the engine (and why)."""
+    and that nothing can be learned once every group has tied for 3 steps; the start-up names its
+    recipe, each slow phase, the engine (and why), in plain words, the numbers of the start-up
+    check in config.json; validation and test being the same rows is said on the run's lines."""
     out = str(tmp_path / "cut")
     result = run(SMALL + ["--rollout", "hf", "--max_tokens", "2", "--steps", "3", "--save_every",
                           "1", "--out", out])
@@ -207,10 +208,19 @@ def test_start_up_lines_and_a_flat_reward_flagged(tmp_path):
     assert "warning: 100% of the completions hit --max_tokens 2 before a stop token" in said, said
     assert said.count("hit --max_tokens") == 1  # once a run
     assert "warning: for 3 steps every group's rewards were equal (mean 0.00)" in said, said
-    for line in (f"loading {common.DATASETS['toy']['model']}",
+    for line in ("recipe: the toy task's, for its model (toy/model): --template plain ",
+                 f"loading {common.DATASETS['toy']['model']}",
+                 "start-up check passed: the trainer's log-probs (packed) are the model's own",
                  "rollout: transformers generate (--rollout hf)",
-                 "step 0: evaluating 16 held-out problems"):
+                 "16 test prompts (no validation split: the validation scores are on the test "
+                 "prompts)",
+                 "step 0: scoring the starting model on 16 held-out prompts",
+                 "(no validation split: the test prompts were scored during training)"):
         assert line in said, (line, said)
+    assert "nats" not in said and "tolerance" not in said  # the numbers: config.json
+    check = json.load(open(os.path.join(out, "config.json")))["startup_check"]
+    assert check["packed"] and check["max_error_nats"] < check["tolerance_nats"] == 1e-3
+    assert "test accuracy=" in result.stderr  # the bar: the test rows scored during training
     assert all(r["truncated"] == 1.0 for r in rows(out)[1:])
 
 

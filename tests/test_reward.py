@@ -514,7 +514,7 @@ def test_timeouts_and_misses_are_counted():
     """score tallies math_reward's outcomes however a script's reward() calls it (here grpo.py's
     default, which passes no counts of its own)."""
     from grpo import reward
-    rows = [{"answer": "1"}, {"answer": "1"}]
+    rows = [{"row": {"answer": "1"}, "where": f"line {i}"} for i in (1, 2)]
     rewards, counts = score(["nothing here", "\\boxed{1}"], rows, reward)
     assert rewards == [0.0, 1.0] and counts["no_answer"] == 1
     counts = collections.Counter()
