@@ -4,14 +4,19 @@ equal the script's own step (common.policy_update); the differences that exist b
 pinned (TRL's own aggregation, the LM head's padded rows, DPPO without refill); each selection
 (CPPO's two scopes, MMR-GRPO's reweighting with each process embedding its own slice, DPPO's draw
 and how it shares the kept prompts out over the processes) is checked against one written out
-here by hand from the method's definition; and every plug-in runs for real under `accelerate
-launch` on two CPU processes (gloo), where both processes must select the same rows, that
-selection must equal the one recomputed by hand from the gathered rewards, and the first step
-must equal the script's step on the gathered batch.
+here by hand from the method's definition; a step after the first, with the policy away from the
+reference, the ratio away from 1 and both clips acting, equals the script's step from the same
+weights and a loss written out here token by token, padding copies and 2-GRPO's tied pairs under
+beta > 0 included, and MMR-GRPO's similarity floor is checked on embeddings built by hand; and
+every plug-in runs for real under `accelerate launch` on two CPU processes (gloo), where both
+processes must select the same rows, that selection must equal the one recomputed by hand from
+the gathered rewards, and the first step must equal the script's step on the gathered batch.
 
 Needs trl and accelerate (pip line: scale_out/README.md); without them every test here skips.
 Run as a script (`accelerate launch ... tests/test_scale_out.py OUT DATA`), this file is the
 worker of the two-process test."""
+import collections
+import copy
 import json
 import math
 import os
@@ -46,6 +51,7 @@ from dppo import (candidate_window, completion_keep_probs, importance_coefficien
                   systematic_sample)
 from mmr_grpo import embed, load_encoder, mmr_reweight  # noqa: E402
 import scale_out.trl_dppo as trl_dppo  # noqa: E402
+import scale_out.trl_mmr_grpo as trl_mmr_grpo  # noqa: E402
 from scale_out.trl_cppo import CPPOTrainer  # noqa: E402
 from scale_out.trl_dppo import DPPOTrainer  # noqa: E402
 from scale_out.trl_grpo import GRPOPlugin  # noqa: E402
@@ -131,23 +137,78 @@ def trl_step(trainer, batch, loss=None):
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def script_step(tiny_dir, samples, beta=0.0, mu=1, clip=(0.2, 0.2)):
-    """The script's step 4 on `samples` (advantage and coef set): (old, ref, loss, grads). The
+def script_step(tiny_dir, samples, beta=0.0, mu=1, clip=(0.2, 0.2), weights=None):
+    """The script's step 4 on `samples` (advantage and coef set): its old and reference log-probs,
+    the policy's (no grad), the loss, the gradient. `weights`, for a step after the first: the
+    state dicts (old policy, policy) the plug-in's run had at that step's generation and at the
+    step (later_step); None: tiny_dir's, as at the first step. The reference is tiny_dir's. The
     LM head's padded rows are in the softmax, as in TRL: test_padded_head pins that."""
     model = load_model(tiny_dir, torch.device("cpu"))  # varlen attention, packed
     passes = Passes(1.0, model.get_output_embeddings().weight.shape[0], 4096)
     old = ref = None
+    if weights:
+        model.load_state_dict(weights[0])
     if mu > 1:
         old = sequence_logprobs(model, samples, passes)
     if beta:
         ref = sequence_logprobs(load_model(tiny_dir, torch.device("cpu"), frozen=True), samples,
                                 passes)
+    if weights:
+        model.load_state_dict(weights[1])
     for s, o, r in zip(samples, old or [None] * len(samples), ref or [None] * len(samples)):
         s.old_logps = o
         s.ref_logps = r
+    logps = sequence_logprobs(model, samples, passes)
     optimizer = RecordingOptimizer(model)
     stats = policy_update(model, optimizer, samples, passes, clip=clip, beta=beta, grad_clip=0.0)
-    return old, ref, stats["loss"], optimizer.grads
+    return types.SimpleNamespace(old=old, ref=ref, logps=logps, loss=stats["loss"],
+                                 grads=optimizer.grads)
+
+
+def loss_by_hand(samples, logps, beta, clip):
+    """docs/grpo.md#eq-objective written out token by token, apart from common.token_loss: (sum_i
+    c_i sum_t [-min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i) + beta (e^d - d - 1)], how
+    many tokens fall where the clip acts, each sample's sum_t (e^d - d - 1)), rho = e^(logp - old),
+    d = ref - logp; `logps` the policy's per token, old = logp where the sample has none
+    (on-policy: rho = 1)."""
+    low, high = 1 - clip[0], 1 + clip[1]
+    total = 0.0
+    where = collections.Counter()
+    kl = []  # each sample's sum_t (e^d - d - 1)
+    for s, lp in zip(samples, logps):
+        old = lp if s.old_logps is None else s.old_logps
+        ref = s.ref_logps if beta else lp  # (beta 0: d = 0)
+        kl.append(0.0)
+        for t in range(len(lp)):
+            rho = math.exp(lp[t] - old[t])
+            a = s.advantage
+            surrogate = min(rho * a, min(max(rho, low), high) * a)
+            d = float(ref[t] - lp[t])
+            kl[-1] += math.exp(d) - d - 1
+            total += s.coef * (-surrogate + beta * (math.exp(d) - d - 1))
+            where["above 1 + eps_high, A > 0"] += a > 0 and rho > high
+            where["between the eps, A > 0"] += a > 0 and 1 + clip[0] < rho <= high
+            where["below 1 - eps_low, A < 0"] += a < 0 and rho < low
+    return total, where, kl
+
+
+def later_step(trainer, prompts, lr=1e-5):
+    """The plug-in run as a run goes, up to a step after the first, on TRL's batch of `prompts`:
+    generation 1 and its mu (num_iterations) updates, which move the policy away from the
+    reference; generation 2, whose old-policy pass runs on the moved policy and whose reference
+    pass on the reference, and its first mu - 1 updates, which move the ratio away from 1 when mu >
+    1. Each update is the plug-in's loss and gradient (trl_step) and one Adam step at `lr` (1e-5
+    moves the tiny model's ratios to ~0.75-1.45 and its per-token KL to ~0-0.5 in 3 updates).
+    Returns generation 2's batch and the weights (at generation 2, now), for script_step."""
+    optimizer = torch.optim.Adam(trainer.model.parameters(), lr=lr)
+    mu = trainer.num_iterations
+    for updates in (mu, mu - 1):
+        batch = trainer._generate_and_score_completions(generation_batch(trainer, prompts))
+        at_generation = copy.deepcopy(trainer.model.state_dict())
+        for _ in range(updates):
+            trl_step(trainer, batch)
+            optimizer.step()
+    return batch, (at_generation, copy.deepcopy(trainer.model.state_dict()))
 
 
 def assert_rows(trainer, batch, canned, kept, G):
@@ -157,20 +218,25 @@ def assert_rows(trainer, batch, canned, kept, G):
     assert got == [canned.completions[PROMPTS[k // G]][k % G] for k in kept]
 
 
-def assert_agrees(trainer, batch, tiny_dir, samples, beta=0.0, mu=1, clip=(0.2, 0.2)):
+def assert_agrees(trainer, batch, tiny_dir, samples, beta=0.0, mu=1, clip=(0.2, 0.2),
+                  weights=None):
     """Old and reference log-probs, loss and gradient of the plug-in's step against the script's,
-    on the same rows: to 1e-5 (float summation order; padded sdpa against packed varlen)."""
-    old, ref, loss, grads = script_step(tiny_dir, samples, beta, mu, clip)
+    on the same rows: to 1e-5 (float summation order; padded sdpa against packed varlen); and the
+    loss against loss_by_hand's, on the script's log-probs. `weights`: as script_step's. Returns
+    the plug-in's gradient and what loss_by_hand found (loss, where, kl)."""
+    script = script_step(tiny_dir, samples, beta, mu, clip, weights)
     mask = batch["completion_mask"].bool()
-    for key, want in (("old_per_token_logps", old), ("ref_per_token_logps", ref)):
+    for key, want in (("old_per_token_logps", script.old), ("ref_per_token_logps", script.ref)):
         assert (want is None) == (key not in batch)
         if want is not None:
             got = [row[m] for row, m in zip(batch[key], mask)]
-            assert max((g - w).abs().max().item() for g, w in zip(got, want)) < 1e-5
+            assert max((g - w).abs().max().item() for g, w in zip(got, want)) < 1e-5, key
     trl_loss, trl_grads = trl_step(trainer, batch)
-    assert trl_loss == pytest.approx(loss, rel=1e-5, abs=1e-7)
-    assert_grads_close(trl_grads, grads, rel=1e-5)
-    return trl_grads
+    assert trl_loss == pytest.approx(script.loss, rel=1e-5, abs=1e-7)
+    hand, where, kl = loss_by_hand(samples, [lp.tolist() for lp in script.logps], beta, clip)
+    assert trl_loss == pytest.approx(hand, rel=1e-5, abs=1e-7)
+    assert_grads_close(trl_grads, script.grads, rel=1e-5)
+    return trl_grads, types.SimpleNamespace(loss=hand, where=where, kl=kl)
 
 
 # ------------------------------------------------------------------ the methods, by hand
@@ -289,7 +355,7 @@ def test_two_grpo_gives_plus_minus_one_and_drops_tied_pairs(tiny_dir, tmp_path):
     assert batch["coef"].tolist() == pytest.approx([1 / (n * 8) for n in lengths], rel=1e-6)
     samples = [canned.sample(k // 2, k % 2, advantage=a, coef=c)
                for k, a, c in zip([0, 1, 4, 5], [1.0, -1.0, -1.0, 1.0], batch["coef"].tolist())]
-    ours = assert_agrees(trainer, batch, tiny_dir, samples, clip=(0.2, 0.28))
+    ours = assert_agrees(trainer, batch, tiny_dir, samples, clip=(0.2, 0.28))[0]
     stock = trl_step(trainer, batch, loss=lambda m, x: GRPOTrainer._compute_loss(trainer, m, x))
     assert_grads_close(stock[1], {n: 2 * g for n, g in ours.items()}, rel=1e-5)
 
@@ -495,7 +561,7 @@ def test_grpo_plugin_and_trls_own_seq_mean(tiny_dir, tmp_path):
     coefs = token_coefficients(lengths, "seq_mean")
     samples = [canned.sample(k // 4, k % 4, advantage=adv[k].item(), coef=c)
                for k, c in enumerate(coefs.tolist())]
-    ours = assert_agrees(trainer, batch, tiny_dir, samples)
+    ours = assert_agrees(trainer, batch, tiny_dir, samples)[0]
 
     def stock(model, chunk):
         return GRPOTrainer._compute_loss(trainer, model, chunk)
@@ -509,7 +575,103 @@ def test_grpo_plugin_and_trls_own_seq_mean(tiny_dir, tmp_path):
     got = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
     for k, s in enumerate(samples):
         s.coef = 1 / (len(s.completion_ids) * 2 * (3 if k < 3 else 5))
-    assert_grads_close(got, script_step(tiny_dir, samples)[3], rel=1e-5)
+    assert_grads_close(got, script_step(tiny_dir, samples).grads, rel=1e-5)
+
+
+# ------------------------------------------------------------------ steps after the first
+# At the first step the policy is the reference and the ratio is 1: the KL's value and gradient
+# are 0 and neither clip acts, so a dropped KL coefficient, a reference pass run on the policy, a
+# swapped eps_high or a padding copy with c != 0 all agree with the script there. These come later.
+
+def test_a_later_step_is_the_scripts(tiny_dir, tmp_path):
+    """A step after the first (later_step: 3 updates in), through the machinery every plug-in
+    shares: CPPO's question scope keeps 6 of 8 rows (as in test_cppo_question_scope_...), trained
+    over 4 micro-steps, so the batch ends in 2 copies of the first kept row at c = 0; beta = 0.04,
+    mu = 2, eps = (0.2, 0.28). The old-policy log-probs (generation 2's policy), the reference's
+    (the initial weights), the loss and the gradient equal cppo.py's step from the same weights on
+    the 6 kept rows, and the loss the one written out by hand. Pinned so that none of it holds
+    vacuously: tokens with A > 0 lie above 1 + eps_high and between the two eps, tokens with A < 0
+    below 1 - eps_low; the reference is away from the old policy; the KL term and the KL of the
+    row the padding copies are far above the tolerance."""
+    rewards = [[1, 0, 0.05, 0.1], [1, 0.9, 0, 0.2]]
+    canned = Canned(load_tokenizer(tiny_dir), rewards)
+    trainer = trainer_for(CPPOTrainer, tiny_dir, tmp_path, canned, G=4, steps=4, beta=0.04,
+                          num_iterations=2, epsilon_high=0.28, loss_type="dapo",
+                          settings={"pruning": 0.25, "prune_scope": "question"})
+    batch, weights = later_step(trainer, range(2))
+    kept = [0, 1, 2, 4, 5, 6]
+    assert trainer.last_selection["kept"] == kept
+    assert_rows(trainer, batch, canned, kept + [0, 0], 4)  # the padding: copies of row 0
+    lengths = [len(canned.completions[PROMPTS[k // 4]][k % 4]) for k in kept]
+    c = 1 / sum(lengths)  # token_mean over the kept rows
+    assert batch["coef"].tolist() == pytest.approx([c] * 6 + [0, 0], rel=1e-6)
+    adv = [a for group in advantages_by_hand(rewards, 1, 1e-4) for a in group]
+    samples = [canned.sample(k // 4, k % 4, advantage=adv[k], coef=c) for k in kept]
+    _, hand = assert_agrees(trainer, batch, tiny_dir, samples, beta=0.04, mu=2, clip=(0.2, 0.28),
+                            weights=weights)
+    assert min(hand.where.values()) >= 2, hand.where  # tokens in each of the three places
+    tokens = batch["completion_mask"].bool()
+    gap = (batch["ref_per_token_logps"] - batch["old_per_token_logps"])[tokens].abs()
+    assert gap.max() > 0.1  # the reference pass did not run on the (old) policy
+    kl_term = 0.04 * c * sum(hand.kl)  # the KL's share of the loss
+    copy_kl = 0.04 * c * hand.kl[0]  # what a padding copy would add at row 0's c instead of 0
+    assert min(kl_term, copy_kl) > 1e-3 * abs(hand.loss), (kl_term, copy_kl, hand.loss)
+
+
+def test_two_grpo_trains_tied_pairs_when_beta_is_not_0(tiny_dir, tmp_path):
+    """docs/two_grpo.md#skip-tied: with beta > 0 nothing is skipped, as two_grpo.py passes
+    skip_tied and beta == 0: pairs (1, 0), (1, 1), (0, 1), (0, 0) with beta = 0.04 train all 8 rows,
+    c_i = 1 / (|o_i| 8). At a step after the first (later_step, mu = 1: the policy away from the
+    reference) the tied rows carry the KL gradient: the step equals two_grpo.py's on all 8 rows,
+    and the step on the 4 mixed rows alone differs from it by over 0.1% of the gradient's scale
+    (1.5% here, 1500x the tolerance)."""
+    canned = Canned(load_tokenizer(tiny_dir), [[1, 0], [1, 1], [0, 1], [0, 0]])
+    trainer = trainer_for(TwoGRPOTrainer, tiny_dir, tmp_path, canned, G=2, prompts=4, steps=2,
+                          loss_type="grpo", epsilon_high=0.28, beta=0.04)
+    batch, weights = later_step(trainer, range(4))
+    assert trainer.last_selection["kept"] == list(range(8))
+    assert_rows(trainer, batch, canned, range(8), 2)
+    lengths = [len(canned.completions[PROMPTS[k // 2]][k % 2]) for k in range(8)]
+    coefs = [1 / (n * 8) for n in lengths]
+    assert batch["coef"].tolist() == pytest.approx(coefs, rel=1e-6)
+    samples = [canned.sample(k // 2, k % 2, advantage=a, coef=c)
+               for k, a, c in zip(range(8), [1, -1, 0, 0, -1, 1, 0, 0], coefs)]
+    grads, _ = assert_agrees(trainer, batch, tiny_dir, samples, beta=0.04, clip=(0.2, 0.28),
+                             weights=weights)
+    mixed = script_step(tiny_dir, [samples[k] for k in (0, 1, 4, 5)], 0.04, 1, (0.2, 0.28),
+                        weights).grads
+    assert max(((grads[n] - g).abs().max() / g.abs().max()).item()
+               for n, g in mixed.items()) > 1e-3
+
+
+def test_mmr_grpo_floors_the_similarity(tiny_dir, tmp_path, monkeypatch):
+    """docs/mmr_grpo.md#eq-mmr: a completion's redundancy is max(0, its largest cosine similarity
+    to a picked one), by hand: rewards (1, 0, 0, 0) over embeddings (1, 0), (-1, 0), (0, 1), (1, 1)
+    (embed stubbed to give them), lambda = sigmoid(population std sqrt(3) / 4). The first keeps 1;
+    the second, opposite to it, scores lambda 0 - (1 - lambda) max(0, -1) = 0, and the third,
+    orthogonal to both, 0 (the tie to the lower index); the fourth, at 45 degrees to the first,
+    -(1 - lambda) / sqrt(2). Without the floor (sim_floor=False) the second would score
+    1 - lambda."""
+    tokenizer = load_tokenizer(tiny_dir)
+    canned = Canned(tokenizer, [[1, 0, 0, 0]])
+    trainer = trainer_for(MMRGRPOTrainer, tiny_dir, tmp_path, canned, G=4, prompts=1,
+                          loss_type="grpo", settings={"embed_model": tiny_dir})
+    samples = [canned.sample(0, i) for i in range(4)]
+    texts = tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
+
+    def embed(encoder, got):  # the four completions, in order, to these four vectors
+        assert got == texts
+        return torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+
+    monkeypatch.setattr(trl_mmr_grpo, "embed", embed)
+    lam = 1 / (1 + math.exp(-math.sqrt(3) / 4))
+    for floor, second in ((True, 0.0), (False, 1 - lam)):
+        trainer.sim_floor = floor
+        chosen = trainer.select(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), samples)
+        want = [1.0, second, 0.0, -(1 - lam) / math.sqrt(2)]
+        assert chosen["reweighted"].tolist() == [pytest.approx(want, abs=1e-6)]
+        advantages = advantages_by_hand([want], 1, 1e-4)[0]
+        assert chosen["advantages"].tolist() == [pytest.approx(advantages, abs=1e-6)]
 
 
 def test_padded_head(tiny_dir, tmp_path):
