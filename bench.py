@@ -1,5 +1,20 @@
-"""The five scripts side by side: one command, on any machine, writes docs/results.md, its plots,
-the runs' summaries.
+"""The five scripts side by side: its parts write a results.md, its plots and the runs' summaries.
+A full run (all three parts, no --out) would write docs/results.md whole, on the machine it runs on;
+the committed docs/results.md was not made that way but from several commands on several days and
+VMs (docs/results/sittings.json: each one's command, machine, date and hours), pieced together:
+  - §1-§3 and the header's machine and software lines: `python bench.py --runs runs/bench-full`
+    (2026-11-23), as that version of this file wrote them (but the machine line's "(§1–§3)");
+  - §4: `python bench.py --parts breakdown learning --datasets chains --eval_every 5 --runs
+    runs/bench-chains` (2026-11-25), set in by hand below §1-§3;
+  - §5: learning_section over the runs kept in docs/results/runs-chains.json (no run made for it),
+    every line it draws set in by hand (tests/test_docs_numbers.py checks each is there), with
+    paragraphs written by hand between them: the section's sources, the pairs
+    (#ablations-so-far), the p's against Holm's steps and what each claim's row shows, the
+    recipes' unequal steps, the dropped ablations (#dropped), how the learning runs were made
+    (#how-run) and the splits' sizes;
+  - the header's first paragraph, the chains part's first paragraph, §6 and #step-more: written by
+    hand from the commands they name (grpo.py, docs/trl_peer.py, `bench.py --parts step`);
+  - #history: the `history` block of docs/bench_report.md, which a full run writes as it stands.
 
 Parts (--parts): step, one training update right-padded, packed (common.policy_update) and packed
 with each group's prompt once, in completion tokens/s (GPU: also memory, MFU), on a model built
