@@ -16,8 +16,9 @@ import sys
 import torch
 
 DOCS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(DOCS))
-from common import (REPO, Passes, Sample, group_advantages, load_model, load_tokenizer,  # noqa: E402
+REPO = os.path.dirname(DOCS)
+sys.path.insert(0, REPO)
+from common import (Passes, Sample, group_advantages, load_model, load_tokenizer,  # noqa: E402
                     make_optimizer, math_reward, policy_update, prompt_token_ids,
                     sequence_logprobs, template_messages, token_coefficients, token_loss)
 
