@@ -74,7 +74,8 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 # ==================================================================================================
 # grpo.py's loop samples G completions per prompt (an engine: Part III), scores each with
 # reward() (Part III's score: a float each, or NaN for an answer "left unread", whose reward() call
-# ran out of time), then calls what follows. docs/grpo.md has each equation.
+# ran out of time), then calls what follows. docs/grpo.md has each equation. Shapes: Q prompts
+# (grpo.py's B) of G completions; B samples; N completion tokens (of a micro-batch).
 
 
 # 1. Advantages: each reward against its group's mean and std
@@ -86,12 +87,13 @@ def group_advantages(rewards, std_mode="unbiased", eps=1e-4):
     r - mean). A tied group (every reward equal) gets 0, and so does an answer left unread."""
     r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]; NaN: an answer left unread
     ddof = 1 if std_mode == "unbiased" else 0
-    mean, std = read_mean_std(r, ddof)  # [Q, 1] each, of the rewards read (an unread one: none)
+    # [Q, 1] each: nanmean, and the variance over the rewards read / (n read - ddof) (section 11)
+    mean, std = read_mean_std(r, ddof)
     adv = r - mean  # [Q, G]
     if std_mode != "none":
         adv = adv / (std + eps)  # [Q, G]
     # a tied group teaches nothing (G = 1 has no unbiased std: 0 too), nor an unread answer
-    zero = tied_groups(r)[:, None] | r.isnan()  # [Q, G]
+    zero = tied_groups(r)[:, None] | r.isnan()  # [Q, G]; tied: max = min of those read (11)
     return torch.where(zero, 0.0, adv).float()  # [Q, G]
 
 
@@ -105,7 +107,7 @@ class Sample:
     completion_ids: list
     reward: float = 0.0
     advantage: float = 0.0
-    sample_logps: list = None  # the engine's per-token log-probs, sampled with (vLLM only)
+    sample_logps: list = None  # the engine's per-token log-probs (vLLM only; engine_logps below)
     coef: float = 1.0  # c_i: the weight of its tokens in the loss (token_coefficients)
     old_logps: torch.Tensor = None  # [|o|] before this batch's first update (None: on-policy)
     ref_logps: torch.Tensor = None  # [|o|] under the frozen reference model (beta > 0)
@@ -117,7 +119,8 @@ class Sample:
 
 def token_loss(logps, old_logps, ref_logps, advantages, eps_low, eps_high, beta, is_weights=None):
     """(loss, kl, clipped) [N]: the clipped surrogate (docs/grpo.md#eq-clip) plus beta times the
-    k3 KL estimate (docs/grpo.md#eq-kl)."""
+    k3 KL estimate (docs/grpo.md#eq-kl). is_weights: min(pi_old / pi_engine, --tis_cap) per
+    token, for the engine's sampling mismatch (None: off, as by default)."""
     ratio = torch.exp(logps - old_logps)  # [N]; 1 in value when old_logps = logps.detach()
     surr1 = ratio * advantages  # [N]
     surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages  # [N]
@@ -130,7 +133,8 @@ def token_loss(logps, old_logps, ref_logps, advantages, eps_low, eps_high, beta,
         loss = loss + beta * kl  # [N]
     else:
         kl = torch.zeros_like(logps)  # beta 0: no reference pass
-    clipped = surr2 < surr1  # [N]: the clip took effect
+    # [N]: the clip took effect (ratio above 1 + eps_high with A > 0, below 1 - eps_low with A < 0)
+    clipped = surr2 < surr1
     return loss, kl.detach(), clipped.detach()
 
 
@@ -140,9 +144,10 @@ def token_coefficients(lengths, loss_agg, max_len=None, whole=None):
       seq_mean   (GRPO paper):  c_i = w_i / (|o_i| N)
       token_mean (DAPO):        c_i = w_i / sum_j |o_j|
       constant   (Dr. GRPO):    c_i = w_i / (N L_max)
-    with L_max = max_len (--max_tokens), w_i = 1 in GRPO, and N and sum_j |o_j| these rows'. Rows
-    kept from a larger batch pass `whole` = (N, sum_j |o_j|, w) of that batch, w their weights
-    (two_grpo.py's resampled rows, dppo.py's importance weights)."""
+    with L_max = max_len (--max_tokens), w_i = 1 in GRPO, and N and sum_j |o_j| these rows'.
+    grpo.py leaves `whole` None; rows kept from a larger batch pass `whole` = (N, sum_j |o_j|, w)
+    of that batch, w their weights (two_grpo.py's resampled rows, dppo.py's importance
+    weights). Here N counts samples, B the rows given."""
     lengths = torch.as_tensor(lengths, dtype=torch.float64)  # [B]
     n, tokens, w = whole or (len(lengths), lengths.sum(), 1.0)
     w = torch.as_tensor(w, dtype=torch.float64).expand(lengths.shape)  # [B]
@@ -166,9 +171,9 @@ Passes = collections.namedtuple(
         "temperature",  # the logits are divided by it, as the engine's were
         "vocab_size",  # the tokenizer's size: the LM head's rows past it are padding
         "token_budget",  # tokens per packed micro-batch
-        "chunk",  # rows per chunk of the LM head and its log-softmax
-        "shared",  # each group's prompt laid out once before its completions
-        "packed",  # sequences share a row (False: one forward each; setup's start-up check)
+        "chunk",  # token positions per chunk of the LM head and its log-softmax
+        "shared",  # each group's prompt laid out once before its completions (--shared_prompt)
+        "packed",  # sequences share a row (False: check_packing found the model cannot)
     ],
     defaults=(1024, False, True),  # chunk, shared, packed
 )
@@ -198,7 +203,8 @@ def policy_update(model, optimizer, samples, passes, *, clip, beta, tis_cap=0.0,
             eps_low=clip[0],
             eps_high=clip[1],
             beta=beta,
-            is_weights=tis_weights(old_logps, per_token.engine_logps, tis_cap),  # (vLLM's)
+            # None unless --tis_cap and the engine's log-probs (vLLM): section 11
+            is_weights=tis_weights(old_logps, per_token.engine_logps, tis_cap),
         )  # [N] each
         loss = (token_losses * per_token.coefs).sum()  # c_i: normalised over the whole rollout
         loss.backward()  # the micro-batches' gradients add up
@@ -245,7 +251,8 @@ def token_fields(batch, beta, device):
 def sequence_logprobs(model, samples, passes):
     """Per-sample token log-probs without grad (old-policy and reference passes): [|o_i|] each."""
     by_index = {}  # sample index -> its log-probs
-    with reference_weights(model) as model:  # LoRA's reference (AdapterOff): adapter off
+    # under LoRA the reference is an AdapterOff: the policy with its adapter disabled (11)
+    with reference_weights(model) as model:
         micro_batches = pack_microbatches(samples, passes.token_budget, passes.shared)
         for micro_batch in micro_batches:
             batch = [samples[i] for i in micro_batch]
@@ -274,7 +281,9 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=
         with packed_row(position_ids):
             out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                       attention_mask=None, use_cache=False)
-        if getattr(out, "last_hidden_state", None) is None:  # the whole model ran (Llama 4)
+        # get_decoder() found no decoder (Llama 4's CausalLM): the whole model ran, its logits
+        # read without chunks (section 11)
+        if getattr(out, "last_hidden_state", None) is None:
             return logits_logprobs(out.logits[0][predict], targets, temperature, vocab_size)
         hidden = out.last_hidden_state[0][predict]  # [N, d]
         weight, bias = lm_head(model, vocab_size, on_gpu)  # [V, d], [V] or None
@@ -283,17 +292,18 @@ def packed_logprobs(model, samples, temperature, vocab_size, chunk=1024, shared=
 
 
 def packed_inputs(samples, device, shared=False):
-    """Samples back to back in one row, positions from 0 per sequence; `predict`: the rows whose
-    next token is a completion's, `targets` those tokens. For (prompt, completion) samples
-        ([5, 6], [7]), ([8], [9, 2]):  ids       5 6 7 8 9 2
-                                       positions 0 1 2 0 1 2
-                                       predict   1 3 4        targets 7 9 2
+    """Samples back to back in one row, positions from 0 per sequence; `predict`: the places in
+    the row whose next token is a completion's, `targets` those tokens. For (prompt, completion)
+    samples ([5, 6], [7]), ([8], [9, 2]):  ids       5 6 7 8 9 2
+                                           positions 0 1 2 0 1 2
+                                           predict   1 3 4        targets 7 9 2
     `shared`: a run of samples with one prompt lays it out once; each completion's positions go on
     from it, as if it followed the prompt alone:
         ([5, 6], [7]), ([5, 6], [8, 9]):  ids       5 6 7 8 9
                                           positions 0 1 2 2 3
                                           predict   1 1 3      targets 7 8 9
-    (8 must not see 7: Part II's attention keeps each completion to its own prompt)"""
+    (place 1, the prompt's last, predicts each completion's first token; 8 must not see 7: Part
+    II's attention keeps each completion to its own prompt)"""
     ids = []
     pos = []
     predict = []
