@@ -304,7 +304,7 @@ def test_toy_cli_run_logs_the_pruning(tmp_path):
     result = run(["--prompts_per_step", "2", "--group_size", "8", "--pruning", "0.75", "--eval_n",
                   "16", "--steps", "2", "--eval_every", "0", "--out", out])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "8 x 8 sampled, 16 kept (batch scope)" in result.stdout
+    assert "8 prompts x 8 completions sampled, 16 kept (batch scope)" in result.stdout
     config = json.load(open(os.path.join(out, "config.json")))
     assert (config["questions_per_step"] == 8 and config["kept_per_question"] == 2
             and config["method"] == "cppo")
