@@ -75,7 +75,8 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 # grpo.py's loop samples G completions per prompt (an engine: Part III), scores each with
 # reward() (Part III's score: a float each, or NaN for an answer "left unread", whose reward() call
 # ran out of time), then calls what follows. docs/grpo.md has each equation. Shapes: Q prompts
-# (grpo.py's B) of G completions; B samples; N completion tokens (of a micro-batch).
+# (grpo.py's B) of G completions; [N]: a micro-batch's completion tokens (token_coefficients' N
+# alone counts completions, as the GRPO paper's)
 
 
 # 1. Advantages: each reward against its group's mean and std
@@ -87,8 +88,7 @@ def group_advantages(rewards, std_mode="unbiased", eps=1e-4):
     r - mean). A tied group (every reward equal) gets 0, and so does an answer left unread."""
     r = torch.as_tensor(rewards, dtype=torch.float64)  # [Q, G]; NaN: an answer left unread
     ddof = 1 if std_mode == "unbiased" else 0
-    # [Q, 1] each: nanmean, and the variance over the rewards read / (n read - ddof) (section 11)
-    mean, std = read_mean_std(r, ddof)
+    mean, std = read_mean_std(r, ddof)  # [Q, 1] each: NaN-aware, over the rewards read (11)
     adv = r - mean  # [Q, G]
     if std_mode != "none":
         adv = adv / (std + eps)  # [Q, G]
@@ -147,7 +147,7 @@ def token_coefficients(lengths, loss_agg, max_len=None, whole=None):
     with L_max = max_len (--max_tokens), w_i = 1 in GRPO, and N and sum_j |o_j| these rows'.
     grpo.py leaves `whole` None; rows kept from a larger batch pass `whole` = (N, sum_j |o_j|, w)
     of that batch, w their weights (two_grpo.py's resampled rows, dppo.py's importance
-    weights). Here N counts samples, B the rows given."""
+    weights; other scripts only). Here N counts completions, B the rows given."""
     lengths = torch.as_tensor(lengths, dtype=torch.float64)  # [B]
     n, tokens, w = whole or (len(lengths), lengths.sum(), 1.0)
     w = torch.as_tensor(w, dtype=torch.float64).expand(lengths.shape)  # [B]
@@ -251,7 +251,7 @@ def token_fields(batch, beta, device):
 def sequence_logprobs(model, samples, passes):
     """Per-sample token log-probs without grad (old-policy and reference passes): [|o_i|] each."""
     by_index = {}  # sample index -> its log-probs
-    # under LoRA the reference is an AdapterOff: the policy with its adapter disabled (11)
+    # LoRA's reference is an AdapterOff: the policy, adapter disabled (11); else the model itself
     with reference_weights(model) as model:
         micro_batches = pack_microbatches(samples, passes.token_budget, passes.shared)
         for micro_batch in micro_batches:
