@@ -2275,8 +2275,11 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     if (args.eval_every and done % args.eval_every == 0) or last:
         run.eval_score = evaluate(run, run.eval_rows)
         row[f"eval_{run.metric}"] = run.eval_score
-    if last:  # (no validation split: the test split was just evaluated)
-        run.test_score = run.eval_score if no_validation else evaluate(run, run.test_rows)
+    if last:
+        if no_validation:  # the test split was just evaluated
+            run.test_score = run.eval_score
+        else:
+            run.test_score = evaluate(run, run.test_rows)
         row[f"test_{run.metric}"] = run.test_score
     log_row(run, row)
     warn_flat_reward(run, row, bar)
