@@ -151,6 +151,18 @@ def arch_dir(tmp_path_factory):
     return folder
 
 
+def snapshot(folder):
+    """{relative path: bytes} of every file under `folder`, and each folder's listing: what a test
+    compares to show a folder left as it was."""
+    found = {}
+    for top, dirs, files in os.walk(folder):
+        found[os.path.relpath(top, folder)] = sorted(dirs + files)
+        for name in files:
+            path = os.path.join(top, name)
+            found[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return found
+
+
 def assert_grads_close(got, want, rel=1e-4):
     """Per tensor, max |got - want| <= rel * max |want| (+1e-7): float summation order moves single
     elements by ~1e-6 of the tensor's scale; a wrong normaliser, sign or mask moves them by far

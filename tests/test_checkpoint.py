@@ -8,19 +8,14 @@ import shutil
 import pytest
 import torch
 
+from conftest import snapshot
+
 from common import (checkpoints, load_optimizer_state, make_optimizer, open_metrics,
                     read_checkpoint, save_checkpoint)
 
 
 def listing(out):
     return sorted(os.listdir(out), key=lambda name: int(name.rsplit("-", 1)[1]))
-
-
-def tree(folder):
-    """{relative path: bytes} of every file under `folder`."""
-    return {os.path.relpath(os.path.join(top, name), folder): open(os.path.join(top, name),
-                                                                   "rb").read()
-            for top, _, files in os.walk(folder) for name in files}
 
 
 def test_the_two_newest_checkpoints_are_kept_in_step_order(tiny, tmp_path):
@@ -166,7 +161,7 @@ def test_a_users_own_checkpoint_folder_is_never_read_as_one_nor_pruned(tiny, tmp
     save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=2, cursor=16)
     for copy in ("checkpoint-final", "checkpoint-best", "checkpoint-02"):
         shutil.copytree(os.path.join(out, "checkpoint-2"), os.path.join(out, copy))
-    theirs = {copy: tree(os.path.join(out, copy)) for copy in ("checkpoint-final",
+    theirs = {copy: snapshot(os.path.join(out, copy)) for copy in ("checkpoint-final",
                                                                "checkpoint-best",
                                                                "checkpoint-02")}
     assert checkpoints(out) == [os.path.join(out, "checkpoint-2")]
@@ -174,7 +169,7 @@ def test_a_users_own_checkpoint_folder_is_never_read_as_one_nor_pruned(tiny, tmp
         save_checkpoint(out, model, tokenizer, optimizer, scheduler, step=step, cursor=8 * step)
     assert checkpoints(out) == [os.path.join(out, "checkpoint-4"),
                                 os.path.join(out, "checkpoint-5")]
-    assert {copy: tree(os.path.join(out, copy)) for copy in theirs} == theirs
+    assert {copy: snapshot(os.path.join(out, copy)) for copy in theirs} == theirs
 
 
 @pytest.mark.parametrize("field,value,want", [

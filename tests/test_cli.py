@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from common import checkpoints
+from conftest import snapshot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--prompts_per_step", "8", "--group_size", "4", "--eval_n", "16"]
@@ -439,21 +440,17 @@ def test_resume_refuses_another_methods_run(one_step_run, tmp_path, main_of, met
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
 
 
-def files_of(folder):
-    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def test_out_naming_the_model_folder_is_refused_and_the_model_left_as_it_was(tmp_path, main_of):
     """`--model M --out M`: M holds a model, not a run of this code: one line, exit 2, before
     anything loads, and every byte of M as it was (it used to be trained into, its config.json
     overwritten by the run's)."""
     model = tmp_path / "model"
     shutil.copytree(os.path.join(REPO, "toy", "model"), model)
-    before = files_of(model)
+    before = snapshot(model)
     line = one_line(main_of("grpo", SMALL + ["--rollout", "hf", "--steps", "1", "--model",
                                              str(model), "--out", str(model)]))
     assert f"--out {str(model)!r} holds files that are not a run of this code" in line, line
-    assert files_of(model) == before
+    assert snapshot(model) == before
 
 
 @pytest.mark.parametrize("damage", ["cursor", "optimizer"])
@@ -474,13 +471,13 @@ def test_resume_of_a_bad_state_file_leaves_every_file_of_the_run(one_step_run, t
         state["optimizer"]["state"][0] = {k: v if v.dim() == 0 else v[:2] for k, v in
                                           moments.items()}
     torch.save(state, path)
-    before = files_of(out)
+    before = snapshot(out)
     result = main_of("grpo", ["--resume", str(out), "--steps", "2"])
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
     assert {"cursor": "state.pt's cursor must be an int >= 0",
             "optimizer": "state.pt's optimizer does not match the model"}[damage] in errors[0]
-    assert files_of(out) == before
+    assert snapshot(out) == before
 
 
 def test_a_users_checkpoint_copy_in_the_run_folder_survives_the_run(one_step_run, tmp_path):
@@ -490,12 +487,12 @@ def test_a_users_checkpoint_copy_in_the_run_folder_survives_the_run(one_step_run
     out = tmp_path / "run"
     shutil.copytree(one_step_run, out)
     shutil.copytree(out / "checkpoint-1", out / "checkpoint-final")
-    theirs = files_of(out / "checkpoint-final")
+    theirs = snapshot(out / "checkpoint-final")
     result = run(["--resume", str(out), "--steps", "4", "--save_every", "1"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in rows(out)] == [0, 1, 2, 3, 4]
     assert checkpoints(str(out)) == [str(out / "checkpoint-3"), str(out / "checkpoint-4")]
-    assert files_of(out / "checkpoint-final") == theirs
+    assert snapshot(out / "checkpoint-final") == theirs
 
 
 def test_a_step_whose_loss_is_not_finite_never_reaches_the_weights(tmp_path, main_of,

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import snapshot
+
 import common
 from common import DATASETS, RECIPE, PhaseTimer, Sample, arg, batch_metrics, parse_args
 
@@ -439,17 +441,6 @@ def test_out_is_made_before_loading_and_taken_back_by_a_refusal(tmp_path, monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --out {str(out)!r} cannot be written (Is a directory)"], err
     assert not (tmp_path / "a").exists()
-
-
-def snapshot(folder):
-    """{relative path: bytes} of every file under `folder`, and each folder's listing."""
-    found = {}
-    for top, dirs, files in os.walk(folder):
-        found[os.path.relpath(top, folder)] = sorted(dirs + files)
-        for name in files:
-            path = os.path.join(top, name)
-            found[os.path.relpath(path, folder)] = open(path, "rb").read()
-    return found
 
 
 @pytest.mark.parametrize("holds", ["a model", "a dataset", "a home folder", "another config.json"])
