@@ -2261,7 +2261,8 @@ def finish_step(run, bar, row, cursor, extra_state=None):
     done = row["step"]
     no_validation = run.test_rows is run.eval_rows  # (load_task: the test split stands in)
     # policy_update did not apply a non-finite update: the weights and checkpoints are as they were
-    if not math.isfinite(row.get("loss", 0.0) + row.get("grad_norm", 0.0)):
+    finite = [math.isfinite(row[k]) for k in ("loss", "grad_norm")]
+    if not all(finite):
         die(f"step {done}: the update's loss ({row['loss']}) or gradient norm ({row['grad_norm']}) "
             f"is not finite, so it was not applied and the run stops, its checkpoints in "
             f"{args.out} as they were: a smaller --lr, or a reward of smaller size")

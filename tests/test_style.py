@@ -23,7 +23,7 @@ BUDGETS = {  # file -> most code tokens
     # where they are, the recipe that follows the model), the reward's rounding rule 49; a second
     # pass found 28 more (6 of them put back as a plain if/else). This bound stops it growing;
     # docs/README.md#sizes says what is left.
-    "common.py": 14_389,
+    "common.py": 14_392,
     "grpo.py": 1_300,
     "two_grpo.py": 2_600,
     "cppo.py": 2_600,
